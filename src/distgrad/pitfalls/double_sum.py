@@ -1,0 +1,47 @@
+"""Pitfall: all-reducing gradients yourself and then calling `apply_gradients`.
+
+Keras 3 removed tf.keras' `experimental_aggregate_gradients=False`: the TensorFlow
+optimizer always SUMs gradients in replica context. Gradients you already summed are
+summed again, so the update is R times too large (and the step pays two all-reduces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+
+from distgrad.collectives import count_collectives
+from distgrad.equivalence import big_batch_reference, regression_data, update_ratio, updates
+from distgrad.pitfalls import CapturedError
+from distgrad.sync import make_replica_step, run_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class DoubleSumRecord:
+    replicas: int
+    ratio: float
+    all_reduces: int
+    aggregate_flag_error: CapturedError
+
+
+def reproduce(strategy, learning_rate: float = 0.1, examples: int = 16) -> DoubleSumRecord:
+    x, y = regression_data(examples)
+    optimizer = lambda: keras.optimizers.SGD(learning_rate)  # noqa: E731
+    reference = big_batch_reference(optimizer, x, y)
+    run = run_steps(strategy, optimizer, x, y,
+                    make_replica_step(len(x), apply="all_reduce_then_optimizer"))
+    try:
+        grads_and_vars = [(v * 0.0, v) for v in run.model.trainable_variables]
+        run.optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
+        error = None
+    except TypeError as err:
+        error = CapturedError.of(err)
+    with strategy.scope():
+        collectives = count_collectives(run.step_function, run.batch)
+    return DoubleSumRecord(
+        replicas=strategy.num_replicas_in_sync,
+        ratio=update_ratio(updates(run.final, run.initial), updates(reference, run.initial)),
+        all_reduces=collectives.all_reduces,
+        aggregate_flag_error=error,
+    )

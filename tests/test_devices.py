@@ -1,0 +1,70 @@
+import pytest
+
+from conftest import run_python
+from distgrad.devices import DevicePlan, environment_report, plan_devices, resolve_replicas
+
+
+def test_plan_uses_gpus_when_enough_are_visible():
+    assert plan_devices(2, physical_gpus=4) == DevicePlan("GPU", 2, split=False)
+
+
+def test_plan_splits_a_single_gpu_into_logical_gpus():
+    assert plan_devices(2, physical_gpus=1) == DevicePlan("GPU", 2, split=True)
+
+
+def test_plan_falls_back_to_logical_cpus_without_gpus():
+    assert plan_devices(2, physical_gpus=0) == DevicePlan("CPU", 2, split=True)
+    assert plan_devices(1, physical_gpus=0) == DevicePlan("CPU", 1, split=False)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_replicas_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
+        resolve_replicas(bad)
+
+
+def test_replicas_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("DISTGRAD_REPLICAS", "3")
+    assert resolve_replicas() == 3
+    monkeypatch.setenv("DISTGRAD_REPLICAS", "two")
+    with pytest.raises(ValueError, match="DISTGRAD_REPLICAS must be a whole number"):
+        resolve_replicas()
+
+
+def test_two_replica_strategy_runs_on_two_cpu_devices(strategy2):
+    report = environment_report(strategy2)
+    assert report["replicas"] == 2
+    assert [d.rsplit(":", 2)[-2:] for d in report["devices"]] == [["CPU", "0"], ["CPU", "1"]]
+    assert report["cross_device_ops"] == "CollectiveAllReduce"
+
+
+def test_fewer_replicas_than_configured_is_fine(strategy1):
+    assert strategy1.num_replicas_in_sync == 1
+
+
+def test_make_strategy_after_runtime_init_raises_with_the_fix():
+    result = run_python(
+        """
+        import tensorflow as tf
+        tf.constant(1.0) + 1.0  # initializes the runtime with one CPU device
+        import distgrad
+        try:
+            distgrad.make_strategy(2)
+        except RuntimeError as err:
+            print("ERROR:", err)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ERROR:" in result.stdout
+    assert "already initialized" in result.stdout
+    assert "restart the kernel" in result.stdout
+    assert "DISTGRAD_REPLICAS=1" in result.stdout
+
+
+def test_distgrad_replicas_environment_variable_chooses_the_count():
+    result = run_python(
+        "import distgrad; print('REPLICAS', distgrad.make_strategy().num_replicas_in_sync)",
+        env={"DISTGRAD_REPLICAS": "3"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "REPLICAS 3" in result.stdout

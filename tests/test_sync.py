@@ -1,0 +1,125 @@
+"""Lesson 01's facts: where gradients sync, loss scaling, reporting, clipping."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+from distgrad.callpath import record_sync_path, summarize_path
+from distgrad.equivalence import big_batch_reference, check_close, regression_data, tiny_model
+from distgrad.pitfalls import clip_before_sync, double_sum, per_replica_mean
+from distgrad.sync import make_replica_step, replica_loss, run_steps
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_two_replicas_with_global_batch_scaling_equal_one_device(strategy2, name):
+    x, y = regression_data(16)
+    reference = big_batch_reference(OPTIMIZERS[name], x, y, steps=3)
+    run = run_steps(strategy2, OPTIMIZERS[name], x, y, make_replica_step(16), steps=3)
+    check_close(run.final, reference)
+    assert run.iterations == 3
+    assert run.copies_agree
+
+
+def test_apply_gradients_all_reduces_in_replica_context_and_updates_in_cross_replica(strategy2):
+    x, y = regression_data(16)
+    with strategy2.scope():
+        model, optimizer = tiny_model(), keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+    step = make_replica_step(16)
+    batch = next(iter(strategy2.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16))))
+
+    @tf.function
+    def distributed_step(batch):
+        return strategy2.run(step, args=(model, optimizer, *batch))
+
+    _, events = record_sync_path(distributed_step.get_concrete_function, batch)
+    path = {(fn, ctx): n for fn, ctx, n in summarize_path(events)}
+    assert path[("BaseOptimizer.apply_gradients", "replica")] == 2
+    assert path[("ReplicaContext.all_reduce", "replica")] == 2
+    assert ("ReplicaContext.merge_call", "replica") in path
+    assert path[("TFOptimizer._distributed_tf_update_step", "cross-replica")] == 1
+    # 4 variables x 2 device copies, all written from the one cross-replica call
+    assert path[("SGD.update_step", "cross-replica")] == 8
+    order = [fn for fn, _, _ in summarize_path(events)]
+    assert order.index("BaseOptimizer._clip_gradients") < order.index("ReplicaContext.all_reduce")
+    assert order.index("ReplicaContext.all_reduce") < order.index(
+        "TFOptimizer._distributed_tf_update_step")
+
+
+def test_per_replica_mean_makes_the_sgd_update_r_times_too_large(strategy2):
+    record = per_replica_mean.reproduce(strategy2)
+    assert record.ratio == pytest.approx(2.0, rel=1e-6)
+    assert record.global_scaling_ratio == pytest.approx(1.0, rel=1e-6)
+    # strategy.reduce(SUM) of per-replica means reports R times the true mean loss
+    assert record.reported_loss_per_replica_mean == pytest.approx(
+        2 * record.reported_loss_global, rel=1e-6)
+
+
+def test_reported_sum_of_globally_scaled_losses_is_the_full_batch_mean(strategy2):
+    x, y = regression_data(16)
+    run = run_steps(strategy2, lambda: keras.optimizers.SGD(0.1), x, y, make_replica_step(16))
+    model = tiny_model()
+    full_batch_loss = float(tf.reduce_mean(tf.square(model(x) - y)))
+    assert run.reported_losses[0] == pytest.approx(full_batch_loss, rel=1e-6)
+
+
+def test_reporting_reduce_does_not_change_the_update(strategy2):
+    x, y = regression_data(16)
+    step = make_replica_step(16)
+    reported = run_steps(strategy2, lambda: keras.optimizers.SGD(0.1), x, y, step)
+    with strategy2.scope():
+        model, optimizer = tiny_model(), keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+    batch = next(iter(strategy2.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16))))
+    tf.function(lambda b: strategy2.run(step, args=(model, optimizer, *b)))(batch)
+    check_close([v.numpy() for v in model.weights], reported.final, rtol=0, atol=0)
+
+
+def test_self_all_reduce_then_apply_gradients_sums_twice(strategy2):
+    record = double_sum.reproduce(strategy2)
+    assert record.ratio == pytest.approx(2.0, rel=1e-6)
+    assert record.all_reduces == 2
+    assert record.aggregate_flag_error.type == "TypeError"
+    assert record.aggregate_flag_error.contains(
+        "unexpected keyword argument 'experimental_aggregate_gradients'")
+
+
+def test_global_clipnorm_clips_partial_gradients_before_the_sum(strategy2):
+    record = clip_before_sync.reproduce(strategy2, "global_clipnorm")
+    # the clipped per-replica update differs by almost as much as the update itself
+    assert record.optimizer_clipping_vs_one_device.max_abs > 0.5 * record.one_device_update_max_abs
+    assert record.clip_after_sync_vs_one_device.within()
+
+
+def test_clipnorm_clips_partial_gradients_before_the_sum(strategy2):
+    record = clip_before_sync.reproduce(strategy2, "clipnorm")
+    assert record.optimizer_clipping_vs_one_device.max_abs > 0.5 * record.one_device_update_max_abs
+
+
+def test_clipping_agrees_on_one_replica(strategy1):
+    record = clip_before_sync.reproduce(strategy1, "global_clipnorm")
+    assert record.optimizer_clipping_vs_one_device.within()
+
+
+def test_bad_arguments_are_rejected(strategy2):
+    with pytest.raises(ValueError, match="loss_scaling must be one of"):
+        replica_loss(tf.zeros([2]), 2, "mean")
+    with pytest.raises(ValueError, match="apply must be one of"):
+        make_replica_step(16, apply="later")
+    with pytest.raises(ValueError, match="needs clip_norm"):
+        make_replica_step(16, apply="clip_after_sync")
+    x, y = regression_data(15)
+    with pytest.raises(ValueError, match="not divisible by 2 replicas"):
+        run_steps(strategy2, lambda: keras.optimizers.SGD(0.1), x, y, make_replica_step(15))
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        run_steps(strategy2, lambda: keras.optimizers.SGD(0.1), x[:14], y[:14],
+                  make_replica_step(14), steps=0)
