@@ -1,0 +1,81 @@
+"""Lesson 06: real 2-process MultiWorkerMirroredStrategy runs on localhost (CPU)."""
+
+import json
+import os
+
+import pytest
+
+from distgrad.multiworker import WorkerResult, free_ports, run_workers, tf_config
+
+EXPERIMENTS = "distgrad.multiworker_experiments"
+
+
+def test_tf_config_names_every_worker_and_this_task():
+    config = json.loads(tf_config([1111, 2222], 1))
+    assert config == {"cluster": {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]},
+                      "task": {"type": "worker", "index": 1}}
+
+
+def test_free_ports_are_distinct():
+    ports = free_ports(3)
+    assert len(set(ports)) == 3
+
+
+def test_bad_launcher_arguments_fail_before_starting_workers():
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        run_workers(f"{EXPERIMENTS}:sync_and_equivalence", 0)
+    with pytest.raises(ValueError, match="package.module:function"):
+        run_workers("no_colon_here", 2)
+
+
+def test_a_hanging_worker_is_killed_at_the_timeout(tmp_path):
+    marker = tmp_path / "pids"
+    with pytest.raises(TimeoutError, match="did not finish within 20 s; all workers were killed"):
+        run_workers("workers_for_tests:sleep_forever", 2, timeout=20,
+                    env={"PYTHONPATH": os.path.dirname(__file__)}, pid_file=str(marker))
+    for pid in marker.read_text().split():
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)
+
+
+@pytest.fixture(scope="module")
+def adam_on_two_workers():
+    return run_workers(f"{EXPERIMENTS}:sync_and_equivalence", 2, timeout=180,
+                       optimizer="adam", steps=3)
+
+
+def test_two_workers_equal_one_device_with_one_all_reduce_per_step(adam_on_two_workers):
+    for result in adam_on_two_workers:
+        assert result.ok, result.stderr_tail
+        value = result.value
+        assert value["replicas"] == 2
+        assert len(value["local_devices"]) == 1
+        assert value["collective_op_types"] == {"CollectiveReduceV2": 1}
+        assert value["iterations"] == 3
+        assert value["max_abs_diff_vs_one_device"] <= 1e-6
+
+
+def test_mwms_on_cpu_still_uses_merge_call(adam_on_two_workers):
+    # _use_merge_call() is False only for XLA-compiled steps on all-GPU devices.
+    assert all(r.value["supports_no_merge_call"] is False for r in adam_on_two_workers)
+
+
+def test_cond_around_apply_gradients_raises_the_merge_call_error_on_mwms_cpu():
+    for result in run_workers(f"{EXPERIMENTS}:cond_around_apply", 2, timeout=180):
+        assert result.ok, result.stderr_tail
+        assert result.value["error"]["type"] == "RuntimeError"
+        assert "`merge_call` called while defining a new graph" in result.value["error"]["message"]
+
+
+def test_a_dead_worker_makes_the_survivor_fail_fast_instead_of_hanging():
+    results = run_workers(f"{EXPERIMENTS}:dead_worker", 2, timeout=120, collective_timeout=10.0)
+    survivor, dead = results
+    assert dead.returncode == 3 and dead.value is None
+    assert survivor.ok, survivor.stderr_tail
+    assert survivor.value["error"]["type"] in {"UnavailableError", "DeadlineExceededError"}
+    assert survivor.value["seconds"] < 10.0 + 5.0
+
+
+def test_worker_result_ok_requires_exit_zero_and_no_error():
+    assert WorkerResult(0, 0, {}, None, "", 1.0).ok
+    assert not WorkerResult(0, 1, None, {"type": "X", "message": ""}, "", 1.0).ok
