@@ -79,3 +79,25 @@ def test_a_dead_worker_makes_the_survivor_fail_fast_instead_of_hanging():
 def test_worker_result_ok_requires_exit_zero_and_no_error():
     assert WorkerResult(0, 0, {}, None, "", 1.0).ok
     assert not WorkerResult(0, 1, None, {"type": "X", "message": ""}, "", 1.0).ok
+
+
+def test_the_chief_checkpoint_restores_the_one_device_weights(tmp_path):
+    import keras
+    import tensorflow as tf
+
+    from distgrad.equivalence import big_batch_reference, check_close, regression_data
+    from distgrad.equivalence import tiny_model, weights_of
+
+    chief, other = run_workers(f"{EXPERIMENTS}:checkpoint_from_chief", 2, timeout=180,
+                               directory=str(tmp_path), steps=2)
+    assert chief.ok and other.ok, chief.stderr_tail + other.stderr_tail
+    assert chief.value["is_chief"] and chief.value["path"].startswith(str(tmp_path))
+    assert other.value["path"] is None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-1"))
+
+    model, optimizer = tiny_model(), keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(chief.value["path"]).assert_consumed()
+    x, y = regression_data(16)
+    check_close(weights_of(model), big_batch_reference(lambda: keras.optimizers.SGD(0.1), x, y, steps=2))
+    assert int(optimizer.iterations.numpy()) == 2

@@ -144,3 +144,37 @@ def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 1
         # TensorFlow prefixes the reason with the op's Python traceback; keep the reason.
         return {"error": {"type": type(err).__name__, "message": str(err)[-600:]},
                 "seconds": time.monotonic() - started}
+
+
+def checkpoint_from_chief(task_index: int, num_workers: int, directory: str,
+                          steps: int = 2, collective_timeout: float = 60.0) -> dict:
+    """Train `steps` SGD steps, then save a `tf.train.Checkpoint` of model and optimizer.
+
+    Every worker must take part in the save (variables are read collectively), but only
+    the chief (task 0) writes into `directory`; the others write to a throwaway
+    directory of their own, the pattern of the TensorFlow multi-worker tutorial.
+    """
+    import tempfile
+
+    strategy = make_worker_strategy(collective_timeout)
+    import tensorflow as tf
+
+    from distgrad.equivalence import tiny_model
+    from distgrad.sync import make_replica_step
+
+    with strategy.scope():
+        model, opt = tiny_model(), _optimizer("sgd")()
+        opt.build(model.trainable_variables)
+    _, _, x_local, y_local = _shard(task_index, num_workers)
+    replica_step = make_replica_step(GLOBAL_BATCH)
+
+    @tf.function
+    def step(xb, yb):
+        return strategy.run(replica_step, args=(model, opt, xb, yb))
+
+    for _ in range(steps):
+        step(tf.constant(x_local), tf.constant(y_local))
+    is_chief = task_index == 0
+    target = directory if is_chief else tempfile.mkdtemp(prefix=f"worker{task_index}-")
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(f"{target}/ckpt")
+    return {"is_chief": is_chief, "path": path if is_chief else None}
