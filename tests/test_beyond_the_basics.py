@@ -1,0 +1,89 @@
+"""Lesson 07: uneven token counts, BatchNorm statistics, sparse embedding gradients."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from distgrad.normalization import count_tokens, token_loss
+from distgrad.pitfalls import batchnorm_statistics, mean_of_means, sparse_duplicates
+from distgrad.sparse import deduplicate, dense_bytes, has_duplicate_indices, sparse_bytes
+
+TOL = 1e-6
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_mean_of_micro_batch_means_is_not_the_big_batch_gradient(micro_batches):
+    record = mean_of_means.reproduce(micro_batches)
+    assert len(set(record.token_counts)) > 1  # the micro-batches really are uneven
+    assert record.mean_of_means_vs_big_batch > 0.1 * record.gradient_scale
+    assert record.global_count_vs_big_batch <= TOL
+
+
+def test_per_replica_token_means_are_wrong_and_the_all_reduced_count_is_right(strategy2):
+    record = mean_of_means.reproduce(2, strategy2)
+    assert record.replicas == 2
+    assert record.per_replica_mean_vs_big_batch > 0.1 * record.gradient_scale
+    assert record.global_count_across_replicas_vs_big_batch <= TOL
+
+
+def test_token_loss_divides_the_masked_sum_by_the_given_count():
+    loss = tf.constant([[1.0, 2.0, 100.0]])
+    mask = tf.constant([[1.0, 1.0, 0.0]])
+    assert float(token_loss(loss, mask, 4.0)) == pytest.approx(0.75)
+    assert float(count_tokens(mask)) == 2.0
+    with pytest.raises(ValueError, match="normalizer must be > 0"):
+        token_loss(loss, mask, 0.0)
+
+
+def test_plain_batchnorm_on_replicas_or_micro_batches_differs_from_the_big_batch(strategy2):
+    record = batchnorm_statistics.reproduce(strategy2)
+    assert record.replicas_plain_bn.max_abs > 0.01 * record.one_device_update_max_abs
+    assert record.accumulated_micro_batches.max_abs > 0.01 * record.one_device_update_max_abs
+
+
+def test_synchronized_batchnorm_recovers_the_big_batch_across_replicas(strategy2):
+    record = batchnorm_statistics.reproduce(strategy2)
+    assert record.replicas_synchronized_bn.within()
+
+
+def test_batchnorm_on_one_replica_without_accumulation_is_the_big_batch(strategy1):
+    record = batchnorm_statistics.reproduce(strategy1)
+    assert record.replicas_plain_bn.max_abs == 0.0
+
+
+def test_adam_sparse_and_dense_embedding_updates_differ_only_on_repeated_rows():
+    record = sparse_duplicates.reproduce((1, 1, 2))
+    assert record.sparse_vs_dense > 1e-3
+    assert record.rows_differing == (1,)
+    assert record.deduplicated_vs_dense == 0.0
+
+
+def test_adam_sparse_equals_dense_without_repeated_tokens():
+    assert sparse_duplicates.reproduce((1, 2, 3)).sparse_vs_dense == 0.0
+
+
+def test_global_clipnorm_sees_duplicated_rows():
+    clip = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.5)  # noqa: E731
+    record = sparse_duplicates.reproduce((1, 1, 2), optimizer_factory=clip)
+    assert record.sparse_vs_dense > 1e-3
+    assert record.deduplicated_vs_dense == 0.0
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_linear_updates_do_not_care_about_duplicates(momentum):
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=momentum)  # noqa: E731
+    assert sparse_duplicates.reproduce((1, 1, 2), optimizer_factory=sgd).sparse_vs_dense <= TOL
+
+
+def test_deduplicate_sums_repeated_rows_and_keeps_the_dense_value():
+    slices = tf.IndexedSlices(tf.constant([[1.0], [2.0], [4.0]]), tf.constant([3, 1, 3]),
+                              tf.constant([5, 1]))
+    assert has_duplicate_indices(slices)
+    unique = deduplicate(slices)
+    assert not has_duplicate_indices(unique)
+    np.testing.assert_array_equal(tf.convert_to_tensor(unique), tf.convert_to_tensor(slices))
+    assert sorted(unique.indices.numpy().tolist()) == [1, 3]
+    dense = tf.ones([2, 2])
+    assert deduplicate(dense) is dense
+    assert dense_bytes(slices) == 5 * 4 and sparse_bytes(slices) == 3 * 4 + 3 * 4
