@@ -9,8 +9,10 @@ EXECUTED := docs/lessons
 NOTEBOOK_TIMEOUT ?= 900
 # A pytest run that collects nothing exits 5; record each run's status for .ci/run.
 PYTEST_STATUS := build/pytest-status
+# Headless Chromium for the browser check of the built site (Debian package `chromium`).
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lessons site serve unit clean
+.PHONY: course test install lessons site site-test chromium serve unit clean
 
 install: $(STAMP)
 
@@ -31,6 +33,24 @@ lessons: install
 site: install
 	$(PY) -m mkdocs build --strict --site-dir site
 
+# The built site in headless Chromium (every lesson renders code and outputs, nav, search,
+# diagrams, dark mode), its internal links and anchors; screenshots in build/screenshots/.
+# Needs `make site` first; lives in tests_site/ so `make unit` needs neither site nor browser.
+site-test: install chromium
+	mkdir -p build/screenshots
+	CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests_site -p no:cacheprovider ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+
+# Installs Chromium with apt when it is missing and we are root (CI); otherwise says how.
+chromium:
+	@test -x $(CHROMIUM) || command -v $(CHROMIUM) >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-dejavu-core; \
+	  else \
+	    echo "Headless Chromium is needed for the browser check of the site (make site-test)."; \
+	    echo "Install it, e.g. 'sudo apt-get install chromium' on Debian/Ubuntu, or point CHROMIUM=/path/to/chromium at one."; \
+	    exit 1; \
+	  fi; }
+
 course: lessons site
 	@echo ""
 	@echo "Course executed on: $$($(PY) -c 'import distgrad,json; print(json.dumps(distgrad.environment_report()))' 2>/dev/null)"
@@ -43,12 +63,14 @@ unit: install
 	mkdir -p build
 	$(PY) -m pytest tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
-# Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs build.
+# Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
+# build, then the built site in a real browser.
 test: install
 	mkdir -p build && rm -f $(PYTEST_STATUS)
 	$(MAKE) unit
 	$(MAKE) lessons
 	$(MAKE) site
+	$(MAKE) site-test
 
 clean:
 	rm -rf site build $(EXECUTED)/*.ipynb

@@ -22,10 +22,12 @@
 # `strategy.run` do it? And could that explain unstable losses?
 #
 # **Short answer.** `strategy.run` syncs nothing. The sum happens *inside*
-# `apply_gradients`: Keras' TensorFlow optimizer all-reduces the gradients (SUM) in
-# replica context, then hops into cross-replica context with `merge_call` to write the
-# same update into every mirrored copy. Because it is a SUM, each replica's loss must be
-# divided by the **global** batch size — otherwise the step is R times too large.
+# `apply_gradients`: Keras' TensorFlow optimizer calls `ReplicaContext.all_reduce(SUM)`
+# on the gradients from each replica; `MirroredStrategy` carries that out with a
+# `merge_call` (every replica pauses, one `batch_reduce_to` runs in cross-replica
+# context), and a second `merge_call` writes the same update into every mirrored copy.
+# Because it is a SUM, each replica's loss must be divided by the **global** batch size
+# — otherwise the step is R times too large.
 #
 # This lesson proves each of those statements by running them, on 2 logical CPU
 # replicas here (or on your GPUs: the code does not change).
@@ -106,10 +108,13 @@ calls = {(function, context): n for function, context, n in path}
 order = [function for function, _, _ in path]
 # apply_gradients runs once per replica, in replica context...
 assert calls[("BaseOptimizer.apply_gradients", "replica")] == R
-# ...where the TF backend sums the gradients: the sync point
+# ...where the TF backend asks for the SUM of the gradients: the sync point
 assert calls[("ReplicaContext.all_reduce", "replica")] == R
-assert ("ReplicaContext.merge_call", "replica") in calls
-# merge_call runs the update once, in cross-replica context, writing every copy
+# MirroredStrategy does it through merge_call: one batch_reduce_to, cross-replica context
+assert calls[("StrategyExtendedV2.batch_reduce_to", "cross-replica")] == 1
+# three merge_calls per replica: the all-reduce, the update, iterations.assign_add
+assert calls[("ReplicaContext.merge_call", "replica")] == 3 * R
+# the second merge_call runs the update once, in cross-replica context, writing every copy
 assert calls[("TFOptimizer._distributed_tf_update_step", "cross-replica")] == 1
 n_variables = len(model.trainable_variables)
 assert calls[("SGD.update_step", "cross-replica")] == n_variables * R
@@ -117,9 +122,11 @@ assert calls[("SGD.update_step", "cross-replica")] == n_variables * R
 assert order.index("BaseOptimizer._clip_gradients") < order.index("ReplicaContext.all_reduce")
 
 # %% [markdown]
-# Read top to bottom, this is the journey of a gradient: computed per replica, summed by
-# `ReplicaContext.all_reduce` *inside* `apply_gradients` (replica context), then written
-# once into every mirrored copy from cross-replica context via `merge_call`. The
+# Read top to bottom, this is the journey of a gradient: computed per replica, clipped
+# (if asked) per replica, summed by `ReplicaContext.all_reduce` *inside*
+# `apply_gradients` — which `MirroredStrategy` implements as a `merge_call` into
+# cross-replica context, where one `batch_reduce_to` reduces every replica's gradients
+# at once — then written once into every mirrored copy by a second `merge_call`. The
 # [call-path diagram](../call-path.md) draws it.
 #
 # ## 3 · `strategy.run` itself synchronizes nothing
@@ -254,8 +261,9 @@ for name, make in {
 # ## Takeaways
 #
 # * `strategy.run` launches your function once per replica and synchronizes nothing.
-# * `optimizer.apply_gradients` is the sync point: an all-reduce **SUM** in replica context,
-#   then `merge_call` into cross-replica context, where one update is written into every copy.
+# * `optimizer.apply_gradients` is the sync point: an all-reduce **SUM** requested from
+#   replica context (carried out through `merge_call`), then a second `merge_call` into
+#   cross-replica context, where one update is written into every copy.
 # * Because it sums, divide each replica's loss by the **global** batch
 #   (`tf.nn.compute_average_loss`). A per-replica mean makes every step R times too large.
 # * `strategy.reduce` on the losses is reporting only.

@@ -38,6 +38,10 @@ def test_two_replica_strategy_runs_on_two_cpu_devices(strategy2):
     assert report["cross_device_ops"] == "CollectiveAllReduce"
 
 
+def test_make_strategy_turns_tensor_float_32_off(strategy2):
+    assert environment_report(strategy2)["tensor_float_32"] is False
+
+
 def test_fewer_replicas_than_configured_is_fine(strategy1):
     assert strategy1.num_replicas_in_sync == 1
 

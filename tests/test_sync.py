@@ -44,7 +44,8 @@ def test_apply_gradients_all_reduces_in_replica_context_and_updates_in_cross_rep
     path = {(fn, ctx): n for fn, ctx, n in summarize_path(events)}
     assert path[("BaseOptimizer.apply_gradients", "replica")] == 2
     assert path[("ReplicaContext.all_reduce", "replica")] == 2
-    assert ("ReplicaContext.merge_call", "replica") in path
+    assert path[("StrategyExtendedV2.batch_reduce_to", "cross-replica")] == 1
+    assert path[("ReplicaContext.merge_call", "replica")] == 3 * 2  # reduce, update, iterations
     assert path[("TFOptimizer._distributed_tf_update_step", "cross-replica")] == 1
     # 4 variables x 2 device copies, all written from the one cross-replica call
     assert path[("SGD.update_step", "cross-replica")] == 8

@@ -26,6 +26,7 @@ SYNC_PATH_FUNCTIONS = (
     ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", "_all_reduce_sum_gradients"),
     ("tensorflow.python.distribute.distribute_lib", "ReplicaContext", "all_reduce"),
     ("tensorflow.python.distribute.distribute_lib", "ReplicaContext", "merge_call"),
+    ("tensorflow.python.distribute.distribute_lib", "StrategyExtendedV2", "batch_reduce_to"),
     ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", "_distributed_tf_update_step"),
     ("tensorflow.python.distribute.distribute_lib", "StrategyExtendedV2", "update"),
     ("keras.src.optimizers.sgd", "SGD", "update_step"),

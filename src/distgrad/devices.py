@@ -113,14 +113,19 @@ def make_strategy(replicas: int | None = None) -> tf.distribute.MirroredStrategy
     `replicas=None` reads `$DISTGRAD_REPLICAS` (default 2). Call it before any other
     TensorFlow work: logical devices cannot be added once the runtime is initialized.
     Asking later for *fewer* replicas than exist is fine (e.g. `make_strategy(1)` for a
-    single-device reference after `make_strategy(2)`).
+    single-device reference after `make_strategy(2)`). Disables TensorFloat-32 matmuls
+    (a GPU-only precision shortcut) so float32 results stay comparable at 1e-6.
 
     Raises:
         ValueError: `replicas` < 1.
         RuntimeError: the runtime is already initialized with too few devices; the
             message says to restart and call `make_strategy` first.
     """
-    return tf.distribute.MirroredStrategy(replica_devices(replicas))
+    devices = replica_devices(replicas)
+    # TensorFloat-32 (on by default on Ampere and newer GPUs) rounds matmul inputs to a
+    # 10-bit mantissa: float32 equivalence checks at 1e-6 would fail for that reason alone.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    return tf.distribute.MirroredStrategy(devices)
 
 
 def environment_report(strategy: tf.distribute.Strategy | None = None) -> dict:
@@ -132,6 +137,7 @@ def environment_report(strategy: tf.distribute.Strategy | None = None) -> dict:
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "physical_gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
+        "tensor_float_32": tf.config.experimental.tensor_float_32_execution_enabled(),
     }
     if strategy is not None:
         report["strategy"] = type(strategy).__name__

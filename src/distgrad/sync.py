@@ -3,11 +3,13 @@
 Inside `strategy.run`, a Keras 3 optimizer's `apply_gradients` runs in *replica
 context*. The TensorFlow backend (`keras/src/backend/tensorflow/optimizer.py`,
 `TFOptimizer._backend_update_step`) first calls `_all_reduce_sum_gradients`, which is
-`ReplicaContext.all_reduce(SUM, grads)`: that is the sync point. It then calls
-`maybe_merge_call` -> `ReplicaContext.merge_call`, which pauses every replica and runs
-`_distributed_tf_update_step` once in cross-replica context, where
-`extended.update(var, update_step, ...)` writes the same update into every mirrored
-copy. `strategy.run` only launches the replicas; it synchronizes nothing itself.
+`ReplicaContext.all_reduce(SUM, grads)`: that is the sync point. (MirroredStrategy
+implements it with a `merge_call`: every replica pauses and one `batch_reduce_to` runs
+in cross-replica context.) It then calls `maybe_merge_call` ->
+`ReplicaContext.merge_call`, which runs `_distributed_tf_update_step` once in
+cross-replica context, where `extended.update(var, update_step, ...)` writes the same
+update into every mirrored copy. `strategy.run` only launches the replicas; it
+synchronizes nothing itself.
 
 Consequences this module gives code for:
 

@@ -1,0 +1,179 @@
+"""The built site in a real browser: headless Chromium opens it from a local server.
+
+Every lesson page shows its code cells and their outputs, nav and search work, diagrams
+render, dark mode switches, and no page needs the network. Screenshots of the home page
+(light and dark) and of the first lesson are kept in build/screenshots/.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from site_helpers import DOCS, ROOT, executed_notebook, hooks, lesson_names
+
+LESSONS = lesson_names()
+
+
+def open_page(page, path: str = ""):
+    page.goto(page.site_url + path, wait_until="load")
+    page.wait_for_selector("article.md-content__inner")
+    return page
+
+
+def test_the_site_has_lessons(site):
+    assert LESSONS, "no lesson pages in site/lessons/: run `make lessons site`"
+
+
+def test_home_page_shows_the_learning_path_and_nav_to_every_lesson(page, screenshots):
+    open_page(page)
+    assert page.title().startswith("distgrad")
+    path_links = page.locator("article table a[href*='lessons/']")
+    linked = {
+        path_links.nth(i).get_attribute("href").rstrip("/").split("/")[-1]
+        for i in range(path_links.count())
+    }
+    assert set(LESSONS) <= linked, (
+        f"lessons missing from the learning path: {set(LESSONS) - linked}"
+    )
+    nav = page.locator("nav.md-nav--primary")
+    for name in LESSONS:
+        assert nav.locator(f"a[href*='lessons/{name}/']").count() >= 1, f"{name} not in the nav"
+    page.screenshot(path=str(screenshots / "home.png"))
+
+    # Following the learning path's first link lands on that lesson.
+    path_links.first.click()
+    page.wait_for_url(f"**/lessons/{LESSONS[0]}/")
+    assert page.locator(".jp-Notebook, .jupyter-wrapper").count() >= 1
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_page_renders_every_code_cell_with_its_outputs(page, screenshots, name):
+    open_page(page, f"lessons/{name}/")
+    notebook = executed_notebook(name)
+    code_cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    with_outputs = [c for c in code_cells if c.get("outputs")]
+
+    # mkdocs-jupyter wraps each cell in a second div of the same classes: count the
+    # cells by their notebook id.
+    cell = ".jp-CodeCell[id^='cell-id=']"
+    rendered = page.locator(cell)
+    assert rendered.count() == len(code_cells)
+    # Every code cell shows highlighted source and has a copy button.
+    assert page.locator(f"{cell} .jp-InputArea .highlight-ipynb pre").count() == len(code_cells)
+    assert page.locator(f"{cell} clipboard-copy").count() == len(code_cells)
+    # Every cell that produced output shows it, visibly.
+    cells_with_output = page.locator(f"{cell}:has(.jp-OutputArea-output)")
+    assert cells_with_output.count() == len(with_outputs)
+    for i in range(cells_with_output.count()):
+        box = cells_with_output.nth(i).locator(".jp-OutputArea-output").first.bounding_box()
+        assert box and box["height"] > 0, f"output {i} of {name} is not visible"
+    first_source = "".join(code_cells[0]["source"]).strip().splitlines()[0]
+    assert first_source in rendered.first.inner_text()
+
+    # The header: the paired sources, downloadable, and the questions answered.
+    header = page.locator(".lesson-header")
+    assert header.count() == 1
+    py = page.request.get(page.site_url + f"lessons/{name}/{name}.py")
+    assert py.ok and py.text() == (ROOT / "notebooks" / f"{name}.py").read_text(encoding="utf-8")
+    ipynb = page.request.get(page.site_url + f"lessons/{name}/{name}.ipynb")
+    assert ipynb.ok and ipynb.json()["cells"] == notebook["cells"]
+    for i in range(header.locator("a[href*='questions/#q']").count()):
+        href = header.locator("a[href*='questions/#q']").nth(i).get_attribute("href")
+        assert page.request.get(page.url.split("#")[0] + href.split("#")[0]).ok
+
+    if name == LESSONS[0]:
+        page.screenshot(path=str(screenshots / "lesson.png"))
+        page.screenshot(path=str(screenshots / "lesson-full.png"), full_page=True)
+
+
+def test_search_finds_a_lesson_by_a_word_in_its_code(page):
+    open_page(page)
+    page.locator("input.md-search__input").click()
+    page.locator("input.md-search__input").press_sequentially("compute_average_loss")
+    page.wait_for_selector(".md-search-result__item", timeout=15000)
+    hrefs = [
+        page.locator(".md-search-result__item a").nth(i).get_attribute("href")
+        for i in range(page.locator(".md-search-result__item a").count())
+    ]
+    assert any("lessons/01_where_gradients_sync" in h for h in hrefs), hrefs
+
+
+def test_nav_links_open_their_pages(page):
+    open_page(page)
+    links = page.locator("nav.md-nav--primary a.md-nav__link[href]")
+    hrefs = sorted({links.nth(i).get_attribute("href") for i in range(links.count())})
+    assert len(hrefs) >= 8
+    for href in hrefs:
+        response = page.request.get(page.site_url + href.lstrip("./"))
+        assert response.ok, href
+    open_page(page, "call-path/")
+    page.locator("nav.md-nav--primary a.md-nav__link", has_text="Verified versions").first.click()
+    page.wait_for_url("**/versions/")
+    # The versions table is read from the executed lessons' environment reports.
+    rows = page.locator("table.executed-versions tbody tr")
+    assert rows.count() == len(LESSONS)
+    for i in range(rows.count()):
+        cells = rows.nth(i).locator("td")
+        report = hooks.environment_report_of(
+            DOCS / "lessons" / f"{cells.nth(0).inner_text()}.ipynb"
+        )
+        assert cells.nth(2).inner_text() == report["tensorflow"]
+        assert cells.nth(3).inner_text() == report["keras"]
+
+
+def test_mermaid_diagrams_render_offline(page):
+    open_page(page, "call-path/")
+    expected = len(list((DOCS / "diagrams").glob("*.mmd")))
+    # Material replaces each <pre class="mermaid"> by a <div class="mermaid"> holding the SVG.
+    page.wait_for_function(
+        f"document.querySelectorAll('figure.diagram div.mermaid').length === {expected}",
+        timeout=15000,
+    )
+    diagrams = page.locator("figure.diagram div.mermaid")
+    assert page.locator("figure.diagram pre").count() == 0
+    for i in range(diagrams.count()):
+        box = diagrams.nth(i).bounding_box()
+        assert box and box["height"] > 100 and box["width"] > 200
+    # Each diagram source parses with the mermaid the site ships (no silent error box).
+    for source in sorted((DOCS / "diagrams").glob("*.mmd")):
+        parsed = page.evaluate(
+            "async (text) => Boolean(await mermaid.parse(text))", source.read_text(encoding="utf-8")
+        )
+        assert parsed, source.name
+
+
+def test_dark_mode_toggle_switches_the_palette(page, screenshots):
+    open_page(page)
+    assert page.locator("body").get_attribute("data-md-color-scheme") == "default"
+    page.locator("form[data-md-component='palette'] label:visible").first.click()
+    page.wait_for_function("document.body.getAttribute('data-md-color-scheme') === 'slate'")
+    page.screenshot(path=str(screenshots / "home-dark.png"))
+    # The choice is remembered on the next page.
+    open_page(page, "call-path/")
+    assert page.locator("body").get_attribute("data-md-color-scheme") == "slate"
+
+
+def test_markdown_code_blocks_have_copy_buttons(page):
+    open_page(page, "guides/gpu/")
+    blocks = page.locator("article pre:not(.mermaid) > code")
+    assert blocks.count() >= 3
+    copy = page.locator("article pre > nav.md-code__nav > button[data-md-type='copy']")
+    assert copy.count() == blocks.count()
+
+
+def test_api_reference_renders_docstrings(page):
+    open_page(page, "api/")
+    text = page.locator("article").inner_text()
+    for name in ("distgrad.devices", "make_strategy", "distgrad.pitfalls", "CapturedError"):
+        assert name in text
+    modules = sorted(p.stem for p in (ROOT / "src" / "distgrad").glob("[!_]*.py"))
+    for module in modules:
+        assert page.locator(f"[id='distgrad.{module}']").count() == 1, module
+
+
+def test_screenshots_are_kept(screenshots):
+    # Runs last in this file: the tests above wrote them.
+    for name in ("home.png", "home-dark.png", "lesson.png"):
+        shot = Path(screenshots / name)
+        assert shot.is_file() and shot.stat().st_size > 10_000, name
