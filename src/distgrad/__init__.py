@@ -12,11 +12,25 @@ from distgrad.equivalence import (
     weight_diff,
     weights_of,
 )
+from distgrad.legacy import run_legacy
+from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.sync import clip_by_global_norm_across_replicas, make_replica_step, run_steps
+from distgrad.train_step import (
+    MicroBatching,
+    MicroBatchingModel,
+    check_micro_batches,
+    with_micro_batches,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulatingOptimizer",
+    "MicroBatching",
+    "MicroBatchingModel",
+    "check_micro_batches",
+    "run_legacy",
+    "with_micro_batches",
     "CollectiveCount",
     "big_batch_reference",
     "check_close",

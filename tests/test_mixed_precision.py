@@ -1,0 +1,160 @@
+"""Lesson 04's fix: distgrad.AccumulatingOptimizer under mixed_float16 in model.fit.
+
+Keras wraps it: LossScaleOptimizer(AccumulatingOptimizer(inner)). The wrapper unscales
+each micro-batch with its own loss scale before it is accumulated (float32), skips
+micro-batches it sees overflow, and the accumulating optimizer drops a cycle whose
+accumulators are non-finite on any replica (the wrapper only checks replica 0).
+"""
+
+import functools
+
+import keras
+import pytest
+
+from distgrad.equivalence import check_close, check_not_close
+from distgrad.pitfalls import loss_scale_patch as lsp
+from distgrad.pitfalls.lso_first_replica_finite import AllReplicasFiniteLossScaleOptimizer
+
+MIXED = {"rtol": lsp.MIXED_PRECISION_RTOL, "atol": lsp.MIXED_PRECISION_ATOL}
+C = lsp.CONTROLLED_INITIAL_SCALE
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+@pytest.fixture(autouse=True)
+def float32_policy_afterwards():
+    yield
+    assert keras.mixed_precision.global_policy().name == "float32"
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def data(strategy, micro_batches=8, overflow_step=None, overflow_replicas=None):
+    replicas = strategy.num_replicas_in_sync
+    micro_batch = 4 * replicas
+    x, y = lsp.overflow_data(micro_batches, micro_batch, overflow_step, replicas,
+                             overflow_replicas)
+    return x, y, micro_batch
+
+
+def test_compile_wraps_the_accumulating_optimizer_in_a_loss_scale_optimizer(strategy):
+    x, y, micro_batch = data(strategy)
+    record = lsp.mixed_precision_fit(strategy, x, y, micro_batch, initial_scale=None)
+    assert (record.wrapper, record.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
+    assert record.accumulator_dtypes == ("float32",) * 4
+    assert all(record.weights_finite)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_accumulated_mixed_precision_equals_big_batch_mixed_precision(strategy, name):
+    x, y, micro_batch = data(strategy)
+    accumulated = lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2, OPTIMIZERS[name])
+    big_batch = lsp.mixed_precision_fit(strategy, x, y, 2 * micro_batch, None, OPTIMIZERS[name])
+    check_close(accumulated.final_weights, big_batch.final_weights, **MIXED)
+    check_not_close(accumulated.final_weights, accumulated.initial_weights, **MIXED)
+    assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)  # updates, not micro-batches
+    assert accumulated.micro_steps == tuple(range(1, 9))
+    assert accumulated.accumulator_dtypes == ("float32",) * 4
+
+
+def test_unscaling_each_micro_batch_survives_a_loss_scale_change_inside_a_cycle(strategy):
+    # dynamic_growth_steps=1 doubles the scale after every finite micro-batch, so the
+    # two micro-batches of each cycle are computed at different scales.
+    x, y, micro_batch = data(strategy, micro_batches=6)
+    reference = lsp.accumulated_reference(strategy, initial_scale=16)
+    fixed = lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2,
+                                    lambda: keras.optimizers.SGD(0.2), initial_scale=16,
+                                    dynamic_growth_steps=1)
+    growing = functools.partial(keras.mixed_precision.LossScaleOptimizer, dynamic_growth_steps=1)
+    patched = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None,
+                            initial_scale=16, wrapper=growing)
+    assert fixed.loss_scales == patched.loss_scales == tuple(16.0 * 2**k for k in range(1, 7))
+    check_close(fixed.final_weights, reference, **MIXED)
+    # the question's patch sums scaled gradients and divides by the *latest* scale
+    check_not_close(patched.final_weights, reference, **MIXED)
+
+
+def test_a_micro_batch_the_wrapper_sees_overflow_is_skipped_not_counted(strategy):
+    # replica 0 is the one LossScaleOptimizer checks: on 1 replica, the only one.
+    x, y, micro_batch = data(strategy, overflow_step=3, overflow_replicas=(0,))
+    record = lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2)
+    assert record.loss_scales == (C, C) + (C / 2,) * 6
+    assert record.micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)  # micro-batch 3 not counted
+    assert record.iterations == (0, 1, 1, 1, 2, 2, 3, 3)  # the cycle waits for 2 good ones
+    assert all(record.weights_finite)
+
+
+def test_an_overflow_on_replica_1_only_never_reaches_the_weights(strategy2):
+    x, y, micro_batch = data(strategy2, overflow_step=3, overflow_replicas=(1,))
+    record = lsp.mixed_precision_fit(strategy2, x, y, micro_batch, 2)
+    assert all(record.weights_finite)
+    assert record.loss_scales == (C,) * 8  # the wrapper never saw it
+    assert record.micro_steps == tuple(range(1, 9))
+    assert record.iterations == (0, 1, 1, 1, 1, 2, 2, 3)  # cycle (3, 4) dropped
+
+
+def test_a_dropped_cycle_leaves_the_weights_of_the_last_good_update(strategy2):
+    x, y, micro_batch = data(strategy2, micro_batches=4, overflow_step=3,
+                             overflow_replicas=(1,))
+    dropped = lsp.mixed_precision_fit(strategy2, x, y, micro_batch, 2)
+    first_cycle = lsp.mixed_precision_fit(strategy2, x[:2 * micro_batch], y[:2 * micro_batch],
+                                          micro_batch, 2)
+    check_close(dropped.final_weights, first_cycle.final_weights, rtol=0, atol=0)
+    assert dropped.iterations[-1] == 1
+
+
+def test_all_replicas_finite_wrapper_skips_an_overflow_on_replica_1_before_accumulation(
+        strategy2):
+    x, y, micro_batch = data(strategy2, overflow_step=3, overflow_replicas=(1,))
+    record = lsp.mixed_precision_fit(strategy2, x, y, micro_batch, 2,
+                                     wrapper=AllReplicasFiniteLossScaleOptimizer)
+    assert all(record.weights_finite)
+    assert record.loss_scales == (C, C) + (C / 2,) * 6
+    assert record.micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)
+    assert record.iterations == (0, 1, 1, 1, 2, 2, 3, 3)
+
+
+def skipped_micro_batches(record):
+    """1-based micro-batches after which micro_steps did not advance."""
+    previous = (0,) + record.micro_steps[:-1]
+    return [t + 1 for t, (a, b) in enumerate(zip(previous, record.micro_steps)) if a == b]
+
+
+def growing_run(strategy, wrapper=None):
+    """Default initial scale, growth every 3 good micro-batches, one injected overflow
+    (all replicas) at micro-batch 8: the run the lesson plots."""
+    x, y, micro_batch = data(strategy, micro_batches=16, overflow_step=8)
+    return lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2,
+                                   initial_scale=lsp.DEFAULT_INITIAL_SCALE,
+                                   dynamic_growth_steps=3, wrapper=wrapper)
+
+
+def test_loss_scale_trajectory_halves_exactly_at_the_skipped_micro_batches(strategy):
+    record = growing_run(strategy, wrapper=AllReplicasFiniteLossScaleOptimizer)
+    scales = (lsp.DEFAULT_INITIAL_SCALE,) + record.loss_scales
+    halved = [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2]
+    assert 8 in halved
+    assert halved == skipped_micro_batches(record)
+    assert all(scales[t + 1] in (scales[t] / 2, scales[t], scales[t] * 2) for t in range(16))
+    assert record.iterations[-1] == record.micro_steps[-1] // 2
+    assert all(record.weights_finite)
+
+
+def test_keras_wrapper_misses_a_natural_overflow_on_replica_1_and_the_cycle_is_dropped(strategy2):
+    # On this data, at scale 2**15 after one growth and one halving, micro-batch 7
+    # overflows on replica 1 only (TF 2.21 / Keras 3.15.1, CPU): Keras' wrapper misses it,
+    # AccumulatingOptimizer's all-replica check at the cycle's end drops the cycle.
+    record = growing_run(strategy2)
+    safe = growing_run(strategy2, wrapper=AllReplicasFiniteLossScaleOptimizer)
+    assert 7 in skipped_micro_batches(safe) and 7 not in skipped_micro_batches(record)
+    assert record.loss_scales[6] == record.loss_scales[5]  # not halved: not seen
+    assert record.micro_steps[6] == record.micro_steps[5] + 1  # counted, accumulated
+    assert all(record.weights_finite)
+
+
+def test_with_keras_wrapper_the_growing_run_stays_finite(strategy2):
+    record = growing_run(strategy2)
+    assert all(record.weights_finite)
+    assert record.iterations[-1] < record.micro_steps[-1] // 2  # a cycle was dropped

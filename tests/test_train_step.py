@@ -1,0 +1,470 @@
+"""Lesson 05's facts: in-step micro-batching in model.fit (distgrad.train_step, distgrad.memory)."""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from distgrad.equivalence import check_close, regression_data, tiny_model, weights_of
+from distgrad.memory import (
+    StepMemory,
+    allocator_counts,
+    allocator_device,
+    fresh_process_step_memory,
+    measure_step_memory,
+    profile_fit_step,
+    ru_maxrss_bytes,
+    step_memory_from_info,
+    wide_mlp,
+)
+from distgrad.train_step import (
+    MicroBatching,
+    MicroBatchingModel,
+    check_micro_batches,
+    fit_step_graph,
+    step_collectives,
+    with_micro_batches,
+)
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+EXAMPLES, BATCH = 32, 16  # two fit steps per epoch
+
+
+def fit(strategy, optimizer, micro_batches=None, epochs=2, model_factory=tiny_model,
+        x=None, y=None, batch_size=BATCH, **fit_kwargs):
+    """Train a fresh model with `fit`; micro_batches=None is plain Keras."""
+    if x is None:
+        x, y = regression_data(EXAMPLES)
+    with strategy.scope():
+        model = model_factory()
+        if micro_batches is not None:
+            model = with_micro_batches(model, micro_batches)
+        model.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+                        **fit_kwargs)
+    return model, history.history
+
+
+@functools.cache
+def _plain_one_device(name):
+    model, history = fit(tf.distribute.get_strategy(), OPTIMIZERS[name])
+    return weights_of(model), history
+
+
+def check_history(actual, expected):
+    assert set(actual) == set(expected) == {"loss", "mae"}
+    for key in expected:
+        assert actual[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-6), key
+
+
+# --- equivalence -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_four_micro_batches_in_fit_equal_plain_big_batch_fit(strategy, name):
+    model, history = fit(strategy, OPTIMIZERS[name], micro_batches=4)
+    reference_weights, reference_history = _plain_one_device(name)
+    check_close(weights_of(model), reference_weights)
+    check_history(history, reference_history)  # fit's loss and mae are the big-batch ones
+    assert int(model.optimizer.iterations.numpy()) == 2 * EXAMPLES // BATCH  # one per fit step
+
+
+@pytest.mark.parametrize("micro_batches", [2, 8])  # k=1: exactness test below
+def test_any_micro_batch_count_dividing_the_replica_batch_gives_the_same_weights(
+        strategy2, micro_batches):
+    model, history = fit(strategy2, OPTIMIZERS["adam"], micro_batches=micro_batches)
+    reference_weights, reference_history = _plain_one_device("adam")
+    check_close(weights_of(model), reference_weights)
+    check_history(history, reference_history)
+
+
+def test_one_micro_batch_is_exactly_keras_train_step(strategy1):
+    model, history = fit(strategy1, OPTIMIZERS["adam"], micro_batches=1)
+    reference_weights, reference_history = _plain_one_device("adam")
+    assert check_close(weights_of(model), reference_weights).max_abs == 0.0
+    assert history == reference_history
+
+
+def test_sample_weights_are_sliced_with_their_micro_batch(strategy2):
+    x, y = regression_data(EXAMPLES)
+    weights = np.linspace(0.1, 2.0, EXAMPLES).astype("float32")
+    model, history = fit(strategy2, OPTIMIZERS["sgd"], micro_batches=4, x=x, y=y,
+                         sample_weight=weights)
+    reference, reference_history = fit(tf.distribute.get_strategy(), OPTIMIZERS["sgd"], x=x, y=y,
+                                       sample_weight=weights)
+    check_close(weights_of(model), weights_of(reference))
+    check_history(history, reference_history)
+
+
+def regularized_model():
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1),
+                           kernel_initializer=keras.initializers.GlorotUniform(seed=0))(inputs)
+    outputs = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=1))(h)
+    return keras.Model(inputs, outputs)
+
+
+def test_regularization_loss_is_counted_once_per_step_not_once_per_micro_batch(strategy2):
+    model, history = fit(strategy2, OPTIMIZERS["sgd"], micro_batches=4,
+                         model_factory=regularized_model)
+    reference, reference_history = fit(tf.distribute.get_strategy(), OPTIMIZERS["sgd"],
+                                       model_factory=regularized_model)
+    check_close(weights_of(model), weights_of(reference))
+    check_history(history, reference_history)
+
+
+class TwoHeads(keras.Model):
+    """A subclassed model with a layer the loss never uses (its gradient is None)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh",
+                                         kernel_initializer=keras.initializers.GlorotUniform(0))
+        self.head = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(1))
+        self.unused = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2))
+
+    def build(self, input_shape):
+        self.hidden.build(input_shape)
+        self.head.build((None, 8))
+        self.unused.build((None, 8))
+
+    def call(self, x, training=False):
+        return self.head(self.hidden(x))
+
+
+class MicroBatchedTwoHeads(MicroBatching, TwoHeads):
+    pass
+
+
+def test_mixin_works_for_subclassed_models_and_leaves_unconnected_weights_alone(strategy2):
+    x, y = regression_data(EXAMPLES)
+
+    def run(cls, **kwargs):
+        with strategy2.scope():
+            model = cls(**kwargs)
+            model.build((None, 4))
+            model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+        initial = weights_of(model)
+        with pytest.warns(UserWarning, match="Gradients do not exist"):
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return initial, weights_of(model)
+
+    initial, micro = run(MicroBatchedTwoHeads, micro_batches=4)
+    _, plain = run(TwoHeads)
+    check_close(micro, plain)
+    # the unused head's kernel and bias (last two weights) did not move
+    check_close(micro[-2:], initial[-2:], rtol=0, atol=0)
+
+
+def classifier(micro_batches=None):
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(16, activation="sigmoid",
+                           kernel_initializer=keras.initializers.GlorotUniform(seed=0))(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax",
+                                 kernel_initializer=keras.initializers.GlorotUniform(seed=1))(h)
+    if micro_batches is None:
+        return keras.Model(inputs, outputs)
+    return MicroBatchingModel(inputs, outputs, micro_batches=micro_batches)
+
+
+def test_question_setup_softmax_crossentropy_and_accuracy_match_plain_fit(strategy2):
+    x, _ = regression_data(EXAMPLES)
+    labels = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+    def run(on, micro_batches):
+        with on.scope():
+            model = classifier(micro_batches)
+            model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                          loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["acc"])
+        history = model.fit(x, labels, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+        return weights_of(model), history.history
+
+    micro, micro_history = run(strategy2, 4)
+    plain, plain_history = run(tf.distribute.get_strategy(), None)
+    check_close(micro, plain)
+    assert set(micro_history) == {"loss", "acc"}
+    for key in plain_history:
+        assert micro_history[key] == pytest.approx(plain_history[key], rel=1e-6, abs=1e-6)
+
+
+# --- one all-reduce per step ---------------------------------------------------------------
+
+
+def test_fit_step_has_one_all_reduce_and_none_inside_the_micro_batch_loop(strategy2):
+    x, y = regression_data(BATCH)
+    micro, _ = fit(strategy2, OPTIMIZERS["adam"], micro_batches=4, epochs=1, x=x, y=y)
+    plain, _ = fit(strategy2, OPTIMIZERS["adam"], epochs=1, x=x, y=y)
+    counts = step_collectives(fit_step_graph(micro, x, y, BATCH), replicas=2)
+    assert (counts.all_reduces, counts.in_while_bodies, counts.while_loops) == (1, 0, 1)
+    plain_counts = step_collectives(fit_step_graph(plain, x, y, BATCH), replicas=2)
+    assert (plain_counts.all_reduces, plain_counts.while_loops) == (1, 0)
+
+
+def test_step_collectives_finds_an_all_reduce_inside_a_while_body():
+    # Traced only, never run: what a per-micro-batch apply would look like.
+    @tf.function
+    def step():
+        def body(i, total):
+            reduced = tf.raw_ops.CollectiveReduceV2(
+                input=tf.constant([1.0]), group_size=1, group_key=1, instance_key=1,
+                ordering_token=[], merge_op="Add", final_op="Id")
+            return i + 1, total + reduced
+        return tf.while_loop(lambda i, _: i < 3, body, [tf.constant(0), tf.constant([0.0])])
+
+    counts = step_collectives(step.get_concrete_function().graph.as_graph_def(), replicas=1)
+    assert (counts.all_reduces, counts.in_while_bodies, counts.while_loops) == (1, 1, 1)
+
+
+def test_keras_does_not_autograph_train_step_so_the_loop_must_be_explicit():
+    class PythonLoop(keras.Model):
+        def train_step(self, data):
+            total = tf.constant(0.0)
+            for _ in tf.range(2):
+                total += 1.0
+            return {"total": total}
+
+    inputs = keras.Input((4,))
+    model = PythonLoop(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_data(4)
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError,
+                       match="Iterating over a symbolic `tf.Tensor` is not allowed"):
+        model.fit(x, y, batch_size=4, verbose=0)
+
+
+# --- mixed precision ---------------------------------------------------------------------
+
+
+def mixed_model():
+    return tiny_model(dtype_policy="mixed_float16")
+
+
+def lso_sgd(initial_scale=2.0 ** 15):
+    return lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                       initial_scale=initial_scale)
+
+
+def test_mixed_precision_one_micro_batch_equals_keras_fit(strategy2):
+    micro, micro_history = fit(strategy2, lso_sgd(), 1, model_factory=mixed_model)
+    plain, plain_history = fit(strategy2, lso_sgd(), model_factory=mixed_model)
+    check_close(weights_of(micro), weights_of(plain))
+    check_history(micro_history, plain_history)
+
+
+def test_mixed_precision_two_replicas_two_micro_batches_equal_one_replica_four(strategy2):
+    # Same float16 slices of 4 examples either way; only the 1/R and 1/k factors move.
+    two, two_history = fit(strategy2, lso_sgd(), 2, model_factory=mixed_model)
+    one, one_history = fit(tf.distribute.get_strategy(), lso_sgd(), 4, model_factory=mixed_model)
+    check_close(weights_of(two), weights_of(one))
+    check_history(two_history, one_history)
+    assert int(two.optimizer.iterations.numpy()) == 4
+
+
+def test_mixed_precision_micro_batches_apply_the_unscaled_mean_of_scaled_slice_gradients():
+    x, y = regression_data(BATCH)
+    micro, _ = fit(tf.distribute.get_strategy(), lso_sgd(), 4, epochs=1, model_factory=mixed_model,
+                   x=x, y=y)
+    # By hand: scale each slice's mean loss by S/k, sum the float32 gradients, divide by S.
+    model, scale = mixed_model(), 2.0 ** 15
+    summed = [tf.zeros_like(v) for v in model.trainable_variables]
+    for j in range(4):
+        with tf.GradientTape() as tape:
+            pred = model(x[4 * j:4 * j + 4], training=True)
+            loss = tf.reduce_mean(tf.square(pred - y[4 * j:4 * j + 4])) / 4.0 * scale
+        summed = [s + g for s, g in zip(summed, tape.gradient(loss, model.trainable_variables))]
+    for v, g in zip(model.trainable_variables, summed):
+        v.assign(v - 0.1 * (g / scale))
+    check_close(weights_of(micro), weights_of(model))
+    assert float(micro.optimizer.dynamic_scale.numpy()) == scale  # finite: unchanged
+
+
+def test_an_overflowing_step_is_skipped_once_and_halves_the_scale_once(strategy):
+    x, y = regression_data(BATCH)
+    x = x * 3e4  # float16 activations overflow
+    model, _ = fit(strategy, lso_sgd(2.0 ** 10), 4, epochs=1, model_factory=mixed_model, x=x, y=y)
+    with strategy.scope():
+        initial = weights_of(mixed_model())
+    check_close(weights_of(model), initial, rtol=0, atol=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** 9  # once, not 4 times
+
+
+def test_keras_loss_scale_optimizer_checks_finiteness_on_replica_0_only(strategy2):
+    # Known limitation of Keras 3.15 (LossScaleOptimizer._tf_apply takes `finite` from
+    # the first replica's *local* gradients; lesson 04 and pitfalls.lso_first_replica_finite
+    # show it for plain fit): MicroBatching inherits it. Fails when Keras changes it.
+    x, y = regression_data(BATCH)
+    for overflowing_replica, applied in ((1, True), (0, False)):
+        targets = y.copy()
+        half = slice(BATCH // 2, None) if overflowing_replica else slice(None, BATCH // 2)
+        targets[half] = 6e4  # float16 backprop of (pred - 6e4) * loss scale overflows
+        model, _ = fit(strategy2, lso_sgd(2.0 ** 10), 2, epochs=1, model_factory=mixed_model,
+                       x=x, y=targets)
+        finite = all(np.isfinite(w).all() for w in weights_of(model))
+        assert (finite, int(model.optimizer.iterations.numpy())) == (not applied, int(applied))
+
+
+def test_the_all_replicas_finite_wrapper_of_lesson_04_composes_with_micro_batching(strategy2):
+    from distgrad.pitfalls.lso_first_replica_finite import AllReplicasFiniteLossScaleOptimizer
+
+    x, y = regression_data(BATCH)
+    y = y.copy()
+    y[BATCH // 2:] = 6e4  # replica 1 only overflows
+
+    def wrapper():
+        return AllReplicasFiniteLossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                   initial_scale=2.0 ** 10)
+
+    model, _ = fit(strategy2, wrapper, 2, epochs=1, model_factory=mixed_model, x=x, y=y)
+    with strategy2.scope():
+        initial = weights_of(mixed_model())
+    check_close(weights_of(model), initial, rtol=0, atol=0)  # skipped
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
+    counts = step_collectives(fit_step_graph(model, x, y, BATCH), replicas=2)
+    assert (counts.all_reduces, counts.in_while_bodies) == (1, 0)
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def test_ragged_last_batch_raises_naming_the_fix(strategy):
+    x, y = regression_data(30)  # the last batch of 14 does not split
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        fit(strategy, OPTIMIZERS["sgd"], micro_batches=4, epochs=1, x=x, y=y)
+    message = str(info.value)
+    assert f"not divisible by micro_batches=4 ({strategy.num_replicas_in_sync} replica(s))" in message
+    assert "drop_remainder=True" in message
+
+
+def test_under_xla_micro_batching_matches_and_a_ragged_batch_raises_instead_of_truncating():
+    x, y = regression_data(EXAMPLES)
+
+    def run(micro_batches, data):
+        model = tiny_model() if micro_batches is None else with_micro_batches(tiny_model(),
+                                                                              micro_batches)
+        model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse", jit_compile=True)
+        model.fit(*data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return weights_of(model)
+
+    check_close(run(4, (x, y)), run(None, (x, y)))
+    # XLA drops tf.debugging assertions: without the trace-time check the ragged last
+    # batch of 14 would train on 12 examples without a word.
+    with pytest.raises(ValueError, match=r"jit_compile=True needs a static batch dimension.*"
+                                         r"drop_remainder=True.*jit_compile=False"):
+        run(4, (x[:30], y[:30]))
+
+
+def test_static_batch_that_does_not_split_raises_at_trace_time(strategy2):
+    x, y = regression_data(EXAMPLES)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(12, drop_remainder=True)
+    with strategy2.scope():
+        model = with_micro_batches(tiny_model(), 8)
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"global batch of 12 examples cannot be split into 2 "
+                                         r"replica\(s\) x micro_batches=8.*multiple of "
+                                         r"micro_batches x replicas = 16 \(e.g. 16\)"):
+        model.fit(dataset, shuffle=False, verbose=0)
+
+
+def test_check_micro_batches_returns_the_slice_size_or_names_batch_sizes_that_work():
+    assert check_micro_batches(16, 4, 2) == 2
+    assert check_micro_batches(16, 1, 1) == 16
+    with pytest.raises(ValueError, match=r"multiple of micro_batches x replicas = 8 \(e.g. 8 or 16\)"):
+        check_micro_batches(12, 4, 2)
+    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1, got 0"):
+        check_micro_batches(16, 0)
+    with pytest.raises(ValueError, match="replicas must be an integer >= 1, got 1.5"):
+        check_micro_batches(16, 2, 1.5)
+
+
+def test_micro_batches_is_validated_and_changing_it_drops_the_traced_step(strategy1):
+    x, y = regression_data(BATCH)
+    model, _ = fit(strategy1, OPTIMIZERS["sgd"], micro_batches=2, epochs=1, x=x, y=y)
+    assert model.train_function is not None
+    model.micro_batches = 4
+    assert model.train_function is None
+    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1, got True"):
+        model.micro_batches = True
+    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
+        MicroBatchingModel(model.inputs, model.outputs, micro_batches=0)
+
+
+def test_with_micro_batches_shares_weights_and_rejects_subclassed_models():
+    base = tiny_model()
+    wrapped = with_micro_batches(base, 2)
+    assert [id(v) for v in wrapped.trainable_variables] == [id(v) for v in base.trainable_variables]
+    with pytest.raises(ValueError, match=r"use the mixin|subclass `class MyModel\(MicroBatching"):
+        with_micro_batches(TwoHeads(), 2)
+
+
+# --- memory ------------------------------------------------------------------------------
+
+
+def test_ru_maxrss_units_are_kib_on_linux_and_bytes_on_macos():
+    assert ru_maxrss_bytes(3, "Linux") == 3 * 1024
+    assert ru_maxrss_bytes(3, "Darwin") == 3
+
+
+def test_allocator_device_is_the_first_gpu_when_there_is_one():
+    assert allocator_device(0) == "CPU:0"
+    assert allocator_device(2) == "GPU:0"
+    with pytest.raises(ValueError, match="physical_gpus must be >= 0"):
+        allocator_device(-1)
+
+
+def test_step_memory_is_the_peak_above_what_was_live_before():
+    step = step_memory_from_info("GPU:0", {"current": 100, "peak": 100},
+                                 {"current": 120, "peak": 400})
+    assert step == StepMemory("GPU:0", 100, 400) and step.step_bytes == 300
+    with pytest.raises(ValueError, match="needs 'current' and 'peak'"):
+        step_memory_from_info("GPU:0", {"current": 1}, {"current": 1, "peak": 1})
+    with pytest.raises(ValueError, match="reset_memory_stats"):
+        step_memory_from_info("GPU:0", {"current": 100, "peak": 100}, {"current": 0, "peak": 50})
+
+
+def test_cpu_allocator_peak_sees_a_temporary_tensor():
+    def make_temporary():
+        return float(tf.reduce_sum(tf.ones([256, 1024])))  # 1 MiB, freed on return
+
+    step = measure_step_memory(make_temporary, "CPU:0")
+    assert step.device == "CPU:0"
+    assert step.step_bytes >= 256 * 1024 * 4
+
+
+def test_cpu_allocator_statistic_ignores_small_tensors_on_tf_2_21():
+    assert allocator_counts(1024 * 1024)
+    assert allocator_counts(256 * 1024)
+    assert not allocator_counts(128 * 1024)  # observed: small allocations read 0
+
+
+def test_more_micro_batches_need_less_step_memory(strategy1):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 64)).astype("float32")
+    y = rng.normal(size=(1024, 1)).astype("float32")
+    step_bytes = {}
+    for k in (1, 8):
+        with strategy1.scope():
+            model = wide_mlp(64, 512, 3, k)
+        model.fit(x, y, batch_size=1024, verbose=0)
+        step, seconds = profile_fit_step(model, x, y, 1024, timed_steps=1)
+        step_bytes[k] = step.step_bytes
+        assert seconds > 0
+    with pytest.raises(ValueError, match="timed_steps must be >= 1"):
+        profile_fit_step(model, x, y, 1024, timed_steps=0)
+    # three (1024, 512) float32 activations = 6 MiB can no longer be live at once
+    assert step_bytes[1] - step_bytes[8] > 3 * 2 ** 20
+
+
+def test_fresh_process_measurement_reports_rss_dominated_by_the_runtime():
+    # (512, 256) float32 activations: 512 KiB, large enough for the CPU statistic
+    m = fresh_process_step_memory(1, batch_size=512, features=16, hidden=256, layers=2,
+                                  timed_steps=1)
+    assert (m.micro_batches, m.replicas, m.batch_size) == (1, 1, 512)
+    assert m.rss_peak >= m.rss_before > 10 * m.step.step_bytes > 0
+    assert m.step.device == "CPU:0" and m.step_seconds > 0
