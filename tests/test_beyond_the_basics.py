@@ -87,3 +87,32 @@ def test_deduplicate_sums_repeated_rows_and_keeps_the_dense_value():
     dense = tf.ones([2, 2])
     assert deduplicate(dense) is dense
     assert dense_bytes(slices) == 5 * 4 and sparse_bytes(slices) == 3 * 4 + 3 * 4
+
+
+def test_clipping_each_micro_batch_differs_and_accumulated_clipping_matches(strategy2):
+    from distgrad.pitfalls import clip_per_micro_batch
+
+    record = clip_per_micro_batch.reproduce(strategy2)
+    assert record.clip_each_micro_batch_vs_big_batch.max_abs > 0.1 * record.big_batch_update_max_abs
+    assert record.accumulating_optimizer_clip_vs_big_batch.within()
+
+
+def test_a_schedule_on_the_inner_optimizer_counts_updates(strategy2):
+    from distgrad.pitfalls import clip_per_micro_batch
+
+    record = clip_per_micro_batch.reproduce(strategy2)
+    assert (record.updates, record.micro_steps) == (2, 8)
+    assert record.schedule_accumulating_vs_big_batch.within()
+    assert record.schedule_vs_constant_learning_rate.max_abs > 1e-2  # the schedule mattered
+
+
+def test_resume_mid_accumulation_in_a_fresh_process_equals_the_uninterrupted_run(
+        strategy2, tmp_path):
+    from distgrad import resume
+    from distgrad.equivalence import check_close
+
+    report = resume.resume_in_fresh_processes(str(tmp_path), replicas=2)
+    assert report["first"] == {"iterations": 1, "micro_steps": 6}
+    assert (report["rest"]["restored_iterations"], report["rest"]["restored_micro_steps"]) == (1, 6)
+    assert (report["rest"]["iterations"], report["rest"]["micro_steps"]) == (2, 8)
+    check_close(report["weights"], resume.uninterrupted_weights(strategy2))

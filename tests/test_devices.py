@@ -42,6 +42,13 @@ def test_make_strategy_turns_tensor_float_32_off(strategy2):
     assert environment_report(strategy2)["tensor_float_32"] is False
 
 
+def test_the_same_devices_give_the_same_strategy(strategy2):
+    import distgrad
+
+    assert distgrad.make_strategy(2) is strategy2
+    assert distgrad.make_strategy(1) is not strategy2
+
+
 def test_fewer_replicas_than_configured_is_fine(strategy1):
     assert strategy1.num_replicas_in_sync == 1
 

@@ -1,5 +1,6 @@
 """distgrad: how gradients move through tf.distribute, with tested reference code."""
 
+from distgrad.accumulator import GradientAccumulator, plan_micro_batches, train_accumulated
 from distgrad.callpath import record_sync_path, summarize_path
 from distgrad.collectives import CollectiveCount, count_collectives
 from distgrad.devices import environment_report, make_strategy
@@ -25,6 +26,9 @@ from distgrad.train_step import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradientAccumulator",
+    "plan_micro_batches",
+    "train_accumulated",
     "AccumulatingOptimizer",
     "MicroBatching",
     "MicroBatchingModel",

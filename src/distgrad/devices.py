@@ -19,6 +19,7 @@ REPLICAS_ENV = "DISTGRAD_REPLICAS"
 GPU_MEMORY_ENV = "DISTGRAD_GPU_MEMORY_MB"
 DEFAULT_REPLICAS = 2
 DEFAULT_GPU_MEMORY_MB = 4096
+_STRATEGIES: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +116,24 @@ def make_strategy(replicas: int | None = None) -> tf.distribute.MirroredStrategy
     Asking later for *fewer* replicas than exist is fine (e.g. `make_strategy(1)` for a
     single-device reference after `make_strategy(2)`). Disables TensorFloat-32 matmuls
     (a GPU-only precision shortcut) so float32 results stay comparable at 1e-6.
+    Returns the same strategy object for the same devices (see the comment inside).
 
     Raises:
         ValueError: `replicas` < 1.
         RuntimeError: the runtime is already initialized with too few devices; the
             message says to restart and call `make_strategy` first.
     """
-    devices = replica_devices(replicas)
+    devices = tuple(replica_devices(replicas))
     # TensorFloat-32 (on by default on Ampere and newer GPUs) rounds matmul inputs to a
     # 10-bit mantissa: float32 equivalence checks at 1e-6 would fail for that reason alone.
     tf.config.experimental.enable_tensor_float_32_execution(False)
-    return tf.distribute.MirroredStrategy(devices)
+    # One strategy per device set and process: every new MirroredStrategy numbers its
+    # collectives from the same keys (MirroredExtended._make_collective_ops_with_fallbacks),
+    # so a second one over the same devices can collide with the first ("Shape mismatch
+    # in the collective instance") and poison every later all-reduce in the process.
+    if devices not in _STRATEGIES:
+        _STRATEGIES[devices] = tf.distribute.MirroredStrategy(list(devices))
+    return _STRATEGIES[devices]
 
 
 def environment_report(strategy: tf.distribute.Strategy | None = None) -> dict:

@@ -1,0 +1,2 @@
+def render_all(out, page):
+    return []

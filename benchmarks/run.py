@@ -1,0 +1,318 @@
+"""Run every benchmark in one process; write JSON, markdown, plots and the docs page.
+
+    .venv/bin/python -m benchmarks.run              # docs/performance/ + docs/performance.md
+    .venv/bin/python -m benchmarks.run --quick      # smoke size -> benchmarks/results/quick/
+    .venv/bin/python -m benchmarks.run --report-only  # re-render page/plots from the JSON
+
+What runs, in order (see `benchmarks.approaches` for the runners):
+
+1. **main**: every approach at k = `--k` (default 4), without a strategy and under
+   `MirroredStrategy` with `--replicas` replicas, `repeats` interleaved rounds;
+2. **all-reduces** of one update for every runner of the distributed main group (graph,
+   derived, profiler-measured), and **allocator memory** of one update;
+3. **scaling in k**: our approaches and the baselines at every k of `--ks`, distributed
+   (profiler all-reduce counts included);
+4. **scaling in replicas**: the same at k = `--k` on one replica (MirroredStrategy over
+   one device); the no-strategy and distributed points come from the main groups;
+5. **peak RSS** of micro-batching vs plain B/k vs plain B, each in a fresh process
+   (`distgrad.memory.fresh_process_step_memory`).
+
+On a machine with GPUs the replicas are GPUs (`distgrad.make_strategy`), the `gpu`
+size preset is used, and the files get a `-gpu` suffix, so CPU and GPU results live
+side by side and the page shows both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS_OUT = ROOT / "docs" / "performance"
+DOCS_PAGE = ROOT / "docs" / "performance.md"
+QUICK_OUT = ROOT / "benchmarks" / "results" / "quick"
+SCHEMA = 1
+SECTIONS = ("main", "scaling_k", "scaling_replicas", "fresh_processes")
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke size (seconds): checks the pipeline, not performance")
+    parser.add_argument("--preset", choices=("quick", "cpu", "gpu"),
+                        help="model/timing sizes (default: gpu with GPUs, else cpu)")
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="replicas of the distributed runs (default 2)")
+    parser.add_argument("--k", type=int, default=None,
+                        help="accumulation steps of the main comparison (default 4; quick 2)")
+    parser.add_argument("--ks", type=str, default=None,
+                        help="comma-separated k for the scaling sweep (default 1,2,4,8; quick 1,2)")
+    parser.add_argument("--repeats", type=int, default=None, help="override the preset's rounds")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default docs/performance; quick: benchmarks/results/quick)")
+    parser.add_argument("--page", type=Path, default=None,
+                        help="markdown page to write (default docs/performance.md with the "
+                             "default --out, else OUT/performance.md)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only re-render markdown, plots and page from OUT/results*.json")
+    parser.add_argument("--require-gpu", action="store_true",
+                        help="exit with an error unless TensorFlow sees a GPU (benchmarks/gpu.sh)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    return parser.parse_args(argv)
+
+
+def _defaults(args):
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DOCS_OUT
+    if args.page is None:
+        args.page = DOCS_PAGE if args.out.resolve() == DOCS_OUT.resolve() else args.out / "performance.md"
+    if args.k is None:
+        args.k = 2 if args.quick else 4
+    ks = args.ks or ("1,2" if args.quick else "1,2,4,8")
+    args.ks = sorted({int(k) for k in ks.split(",")} | {args.k})
+    args.sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown --sections {unknown}; choose from {', '.join(SECTIONS)}.")
+    if args.replicas < 2:
+        raise SystemExit("--replicas must be >= 2: the benchmark compares distributed runs.")
+    return args
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def _log(message: str) -> None:
+    print(f"[benchmarks {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _row(runner_or_failed, times=None, baseline_times=None, micro_batches=None):
+    from benchmarks.approaches import Failed
+    from benchmarks.measure import paired_ratios, summary
+
+    if isinstance(runner_or_failed, Failed):
+        failed = runner_or_failed
+        return {"key": failed.key, "label": failed.label, "path": failed.path,
+                "role": failed.role, "ours": failed.ours,
+                "status": "error" if failed.error else "not run",
+                "error": None if failed.error is None else
+                {"type": failed.error.type, "message": failed.error.message},
+                "reason": failed.reason}
+    row = {**runner_or_failed.describe(), "status": "ok", "seconds": times,
+           "ms_per_micro_batch": summary([1e3 * t / micro_batches for t in times])}
+    if baseline_times is not None:
+        ratios = paired_ratios(times, baseline_times)
+        row["vs_baseline"] = summary(ratios)
+        row["overhead_percent"] = summary([100.0 * (r - 1.0) for r in ratios])
+    return row
+
+
+def _time_group(name, strategy_name, strategy, classes, sizes, k, repeats, physical_gpus,
+                all_reduces: str = "none", memory: bool = False) -> dict:
+    """Build `classes` at k under `strategy`, time them round-robin; one group record."""
+    from benchmarks import approaches
+    from benchmarks.measure import all_reduce_record, allocator_record, timed_rounds
+
+    started = time.perf_counter()
+    load = os.getloadavg()
+    x, y = approaches.block_data(sizes, k)
+    built = []
+    for cls in classes:
+        t0 = time.perf_counter()
+        built.append(approaches.build(cls, strategy, sizes, k, x, y))
+        status = "ok" if not isinstance(built[-1], approaches.Failed) else "not run"
+        _log(f"{name} {strategy_name} k={k}: built {cls.key} ({status}, "
+             f"{time.perf_counter() - t0:.1f} s)")
+    runners = [r for r in built if not isinstance(r, approaches.Failed)]
+    for runner in runners:  # a second untimed run: caches warm, allocator settled
+        runner.run(1)
+    updates = sizes.block_updates(k)
+    micro_batches = updates * k
+    times = timed_rounds(runners, lambda r: updates, repeats)
+    baseline_times = {r.path: times[r.key] for r in runners if r.role == "baseline"}
+    rows = []
+    for item in built:
+        if isinstance(item, approaches.Failed):
+            rows.append(_row(item))
+            continue
+        baseline = baseline_times.get(item.path)
+        if item.role == "baseline":
+            baseline = None
+        if item.role == "floor":  # the floor is compared with its path's plain step
+            baseline = baseline_times.get(item.path)
+        rows.append(_row(item, times[item.key], baseline, micro_batches))
+    by_key = {r.key: r for r in runners}
+    if all_reduces != "none" and strategy.num_replicas_in_sync > 1:
+        for row in rows:
+            runner = by_key.get(row["key"])
+            if runner is None or runner.role == "floor":
+                continue
+            try:
+                row["all_reduces"] = all_reduce_record(runner, updates=1,
+                                                       with_graph=all_reduces == "graph")
+            except Exception as err:  # noqa: BLE001 - recorded on the row
+                row["all_reduces"] = {"error": f"{type(err).__name__}: {err}"}
+        _log(f"{name} {strategy_name} k={k}: all-reduces counted")
+    if memory:
+        for row in rows:
+            runner = by_key.get(row["key"])
+            if runner is None or runner.role == "floor":
+                continue
+            row["memory"] = allocator_record(runner, physical_gpus)
+        _log(f"{name} {strategy_name} k={k}: allocator memory measured")
+    record = {"section": name, "strategy": strategy_name,
+              "replicas": strategy.num_replicas_in_sync, "k": k, "repeats": repeats,
+              "updates_per_block": updates, "micro_batches_per_block": micro_batches,
+              "load_average_at_start": list(load), "seconds": time.perf_counter() - started,
+              "rows": rows}
+    del built, runners, by_key
+    gc.collect()
+    _log(f"{name} {strategy_name} k={k}: done in {record['seconds']:.1f} s")
+    return record
+
+
+def _fresh_process_memory(sizes, k, replicas) -> list:
+    from distgrad.memory import fresh_process_step_memory
+
+    big = k * sizes.micro_batch
+    configs = [("micro_batching", k, big), ("plain_micro_batch", 1, sizes.micro_batch),
+               ("plain_big_batch", 1, big)]
+    out = []
+    for name, micro_batches, batch in configs:
+        t0 = time.perf_counter()
+        m = fresh_process_step_memory(micro_batches, batch, sizes.features, sizes.hidden,
+                                      sizes.layers, replicas=replicas, timed_steps=1)
+        out.append({"config": name, "micro_batches": micro_batches, "batch_size": batch,
+                    "replicas": replicas, "rss_before": m.rss_before, "rss_peak": m.rss_peak,
+                    "rss_growth": m.rss_growth, "allocator_device": m.step.device,
+                    "allocator_step_bytes": m.step.step_bytes})
+        _log(f"fresh process {name}: peak RSS {m.rss_peak / 2**20:.0f} MiB "
+             f"({time.perf_counter() - t0:.1f} s)")
+    return out
+
+
+def measure(args) -> dict:
+    """Run every section; returns the results record (also what is written as JSON)."""
+    started_wall = time.perf_counter()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    load_start = os.getloadavg()
+    import distgrad
+    from distgrad.devices import replica_devices
+
+    replica_devices(args.replicas)  # logical devices first, before any other TF work
+    import tensorflow as tf
+
+    from benchmarks import approaches
+
+    physical_gpus = len(tf.config.list_physical_devices("GPU"))
+    if args.require_gpu and not physical_gpus:
+        raise SystemExit("benchmarks: no GPU visible to TensorFlow; this run measures GPU "
+                         "figures only. Install tensorflow[and-cuda] (docs/guides/gpu.md).")
+    preset = args.preset or ("quick" if args.quick else "gpu" if physical_gpus else "cpu")
+    sizes = approaches.PRESETS[preset]
+    if args.repeats:
+        sizes = dataclasses.replace(sizes, repeats=args.repeats,
+                                               scaling_repeats=args.repeats)
+    # One strategy object per replica count, reused by every runner: two MirroredStrategy
+    # objects over the same devices start from the same collective group and instance
+    # keys (cross_device_utils.CollectiveKeys, INSTANCE_KEY_START_NUMBER) and their
+    # all-reduces collide ("Shape mismatch in the collective instance 100").
+    strategies = {"none": tf.distribute.get_strategy(),
+                  "R1": distgrad.make_strategy(1),
+                  f"R{args.replicas}": distgrad.make_strategy(args.replicas)}
+    distributed = f"R{args.replicas}"
+    label = "gpu" if physical_gpus else "cpu"
+    _log(f"preset {preset} {sizes}, k={args.k}, ks={args.ks}, strategies {list(strategies)}")
+
+    main_classes = list(approaches.MAIN_ORDER)
+    scaling_classes = [approaches.PlainFit, approaches.PlainCustom, *approaches.OURS]
+    groups = []
+    if "main" in args.sections:
+        groups.append(_time_group("main", "none", strategies["none"], main_classes, sizes,
+                                  args.k, sizes.repeats, physical_gpus))
+        groups.append(_time_group("main", distributed, strategies[distributed], main_classes,
+                                  sizes, args.k, sizes.repeats, physical_gpus,
+                                  all_reduces="graph", memory=True))
+    if "scaling_k" in args.sections:
+        for k in args.ks:
+            if k == args.k and "main" in args.sections:
+                continue
+            groups.append(_time_group("scaling_k", distributed, strategies[distributed],
+                                      scaling_classes, sizes, k, sizes.scaling_repeats,
+                                      physical_gpus, all_reduces="measured"))
+    if "scaling_replicas" in args.sections:
+        groups.append(_time_group("scaling_replicas", "R1", strategies["R1"], scaling_classes,
+                                  sizes, args.k, sizes.scaling_repeats, physical_gpus))
+    fresh = []
+    if "fresh_processes" in args.sections:
+        fresh = _fresh_process_memory(sizes, args.k, args.replicas)
+    pypi_version, pypi_error = approaches.pypi_package_status()
+    return {
+        "schema": SCHEMA,
+        "label": label,
+        "preset": preset,
+        "command": " ".join(["python -m benchmarks.run", *sys.argv[1:]]),
+        "started": started,
+        "wall_seconds": time.perf_counter() - started_wall,
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "load_average_start": list(load_start),
+                    "load_average_end": list(os.getloadavg()),
+                    "shared": "other engineers' work ran on the same cores" if label == "cpu"
+                    else None},
+        "git_commit": _git_commit(),
+        "environment": distgrad.environment_report(strategies[distributed]),
+        "sizes": dataclasses.asdict(sizes),
+        "optimizer": f"keras.optimizers.SGD(learning_rate={approaches.LEARNING_RATE})",
+        "k": args.k,
+        "ks": args.ks,
+        "sections": args.sections,
+        "replicas": args.replicas,
+        "pypi_package": {"name": approaches.PYPI_PACKAGE, "version": pypi_version,
+                         "import_error": None if pypi_error is None else
+                         {"type": pypi_error.type, "message": pypi_error.message}},
+        "groups": groups,
+        "fresh_process_memory": fresh,
+    }
+
+
+def results_name(label: str) -> str:
+    return "results.json" if label == "cpu" else f"results-{label}.json"
+
+
+def main(argv=None) -> int:
+    args = _defaults(_parse(argv))
+    from benchmarks import report
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        results = measure(args)
+        path = args.out / results_name(results["label"])
+        path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        _log(f"wrote {path} ({results['wall_seconds']:.0f} s)")
+    written = report.render_all(args.out, args.page)
+    for path in written:
+        _log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
