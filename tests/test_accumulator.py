@@ -2,7 +2,6 @@
 
 import functools
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,6 +18,7 @@ from distgrad.accumulator import (
     update_loss,
 )
 from distgrad.equivalence import (
+    OPTIMIZERS,
     big_batch_reference,
     check_close,
     check_not_close,
@@ -31,11 +31,6 @@ from distgrad.equivalence import (
 )
 from distgrad.pitfalls import lazy_slot_creation
 
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-}
 EXAMPLES = 16
 MODELS = {"mlp": (tiny_model, lambda: regression_data(EXAMPLES)),
           "embedding": (embedding_model, lambda: token_data(EXAMPLES))}

@@ -1,6 +1,6 @@
 import pytest
-
 from conftest import run_python
+
 from distgrad.devices import DevicePlan, environment_report, plan_devices, resolve_replicas
 
 

@@ -11,17 +11,12 @@ import functools
 import keras
 import pytest
 
-from distgrad.equivalence import check_close, check_not_close
+from distgrad.equivalence import OPTIMIZERS, check_close, check_not_close
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls.lso_first_replica_finite import AllReplicasFiniteLossScaleOptimizer
 
 MIXED = {"rtol": lsp.MIXED_PRECISION_RTOL, "atol": lsp.MIXED_PRECISION_ATOL}
 C = lsp.CONTROLLED_INITIAL_SCALE
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-}
 
 
 @pytest.fixture(autouse=True)

@@ -5,16 +5,10 @@ import pytest
 import tensorflow as tf
 
 from distgrad.callpath import record_sync_path, summarize_path
+from distgrad.equivalence import OPTIMIZERS_WITH_WEIGHT_DECAY as OPTIMIZERS
 from distgrad.equivalence import big_batch_reference, check_close, regression_data, tiny_model
 from distgrad.pitfalls import clip_before_sync, double_sum, per_replica_mean
 from distgrad.sync import make_replica_step, replica_loss, run_steps
-
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distgrad.equivalence import check_close, regression_data, tiny_model, weights_of
+from distgrad.equivalence import OPTIMIZERS, check_close, regression_data, tiny_model, weights_of
 from distgrad.memory import (
     StepMemory,
     allocator_counts,
@@ -28,11 +28,6 @@ from distgrad.train_step import (
     with_micro_batches,
 )
 
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-}
 EXAMPLES, BATCH = 32, 16  # two fit steps per epoch
 
 

@@ -20,6 +20,19 @@ FLOAT32_RTOL = 1e-6
 FLOAT32_ATOL = 1e-6
 
 
+# The optimizers every equivalence sweep runs: plain, stateful (momentum), adaptive
+# (Adam: bias correction counts updates), and decoupled weight decay.
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+OPTIMIZERS_WITH_WEIGHT_DECAY = {
+    **OPTIMIZERS,
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+}
+
+
 def regression_data(examples: int = 32, features: int = 4, outputs: int = 1, seed: int = 0):
     """`(x, y)` float32 arrays of a noisy linear target: shapes (examples, features/outputs)."""
     rng = np.random.default_rng(seed)

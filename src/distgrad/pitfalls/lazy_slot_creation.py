@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import keras
 import tensorflow as tf
 
 from distgrad.accumulator import GradientAccumulator, plan_micro_batches, update_loss
 from distgrad.equivalence import (
+    OPTIMIZERS,
     WeightDiff,
     big_batch_reference,
     per_example_squared_error,
@@ -50,12 +50,6 @@ from distgrad.equivalence import (
     weight_diff,
 )
 from distgrad.pitfalls import CapturedError
-
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-}
 
 
 @dataclasses.dataclass(frozen=True)

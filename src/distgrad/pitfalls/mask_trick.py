@@ -32,16 +32,10 @@ import numpy as np
 import tensorflow as tf
 
 from distgrad.collectives import ALL_REDUCE_OP_TYPES
+from distgrad.equivalence import OPTIMIZERS_WITH_WEIGHT_DECAY as OPTIMIZERS
 from distgrad.equivalence import WeightDiff, regression_data, tiny_model, weight_diff, weights_of
 from distgrad.optimizer import AccumulatingOptimizer, fit_run
 from distgrad.pitfalls.loss_scale_patch import SeedAccumulationPatch
-
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-}
 
 _BRANCH_ATTRS = frozenset({"then_branch", "else_branch", "branches"})
 

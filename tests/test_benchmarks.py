@@ -1,0 +1,294 @@
+"""Smoke test of `benchmarks/`: the whole benchmark at its quick size, in a fresh process.
+
+The numbers of a quick run mean nothing (a model of 32 hidden units, two rounds); what is
+checked is that every section is produced and well-formed, that the all-reduce counts
+are the facts the Performance page states (ours 1 per update, the plain step k, graph =
+derived = profiler-measured), that Keras' built-in accumulation and the PyPI package fail
+under MirroredStrategy the way the page says, and that bad options fail clearly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import measure, report, run  # noqa: E402
+
+MERGE_CALL_ERROR = "`merge_call` called while defining a new graph or a tf.function."
+OURS = {"accumulating_optimizer_fit", "micro_batching_fit", "gradient_accumulator_custom",
+        "accumulating_optimizer_custom"}
+PLAIN = {"plain_fit", "plain_custom"}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """(results, out dir, page path) of one `python -m benchmarks.run --quick`."""
+    out = tmp_path_factory.mktemp("bench")
+    page = out / "page" / "performance.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out), "--page", str(page)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "results.json").read_text()), out, page
+
+
+def _group(results, section, strategy, k=None):
+    groups = [g for g in results["groups"] if g["section"] == section
+              and g["strategy"] == strategy and (k is None or g["k"] == k)]
+    assert len(groups) == 1, [(g["section"], g["strategy"], g["k"]) for g in results["groups"]]
+    return groups[0]
+
+
+def _rows(group):
+    return {r["key"]: r for r in group["rows"]}
+
+
+# --- files ------------------------------------------------------------------------------
+
+
+def test_quick_run_writes_json_markdown_three_plots_and_the_page(quick):
+    results, out, page = quick
+    assert results["schema"] == run.SCHEMA and results["label"] == "cpu"
+    assert results["preset"] == "quick"
+    for name in ("overhead.png", "scaling.png", "memory.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    tables = (out / "results.md").read_text()
+    assert tables.startswith("# Benchmark results (CPU)")
+    text = page.read_text()
+    for heading in ("# Performance", "### 1. Step-time overhead", "### 2. All-reduces per update",
+                    "### 3. Peak memory", "### 4. Scaling", "## GPU results"):
+        assert f"\n{heading}" in f"\n{text}", heading
+    # Images and the JSON are linked relative to the page, and exist there.
+    assert "](../overhead.png)" in text and "](../results.json)" in text
+    # Without a GPU run, the GPU section says so and holds no number.
+    gpu = text.split("## GPU results", 1)[1].split("## Reproduce", 1)[0]
+    assert "No GPU figures have been measured yet" in gpu
+    assert " ms" not in gpu and "%" not in gpu
+
+
+def test_every_approach_has_a_row_in_both_main_groups_and_the_environment_is_recorded(quick):
+    results, _, _ = quick
+    expected = {"plain_fit", "plain_big_fit", "accumulating_optimizer_fit", "micro_batching_fit",
+                "keras_builtin_fit", "mask_trick_fit", "pypi_gradient_accumulator_fit",
+                "plain_custom", "gradient_accumulator_custom", "accumulating_optimizer_custom"}
+    for strategy in ("none", "R2"):
+        assert set(_rows(_group(results, "main", strategy))) == expected
+    env = results["environment"]
+    assert env["replicas"] == 2 and env["strategy"] == "MirroredStrategy"
+    assert len(results["machine"]["load_average_start"]) == 3
+    assert results["wall_seconds"] > 0
+
+
+# --- timing statistics -------------------------------------------------------------------
+
+
+def test_every_timed_row_has_one_time_per_round_and_consistent_statistics(quick):
+    results, _, _ = quick
+    for group in results["groups"]:
+        for row in group["rows"]:
+            if row["status"] != "ok":
+                continue
+            assert len(row["seconds"]) == group["repeats"] and min(row["seconds"]) > 0
+            for key in ("ms_per_micro_batch", "overhead_percent", "vs_baseline"):
+                if key not in row:
+                    continue
+                stats = row[key]
+                assert stats["min"] <= stats["q1"] <= stats["median"] <= stats["q3"] <= stats["max"]
+                assert stats["n"] == group["repeats"]
+            if row["role"] == "baseline":
+                assert "overhead_percent" not in row
+            else:
+                ratio = row["vs_baseline"]["median"]
+                assert row["overhead_percent"]["median"] == pytest.approx(100 * (ratio - 1))
+
+
+def test_summary_and_paired_ratios_are_computed_per_round():
+    stats = measure.summary([3.0, 1.0, 2.0, 10.0])
+    assert (stats["min"], stats["median"], stats["max"], stats["n"]) == (1.0, 2.5, 10.0, 4)
+    assert stats["q1"] == pytest.approx(1.75) and stats["q3"] == pytest.approx(4.75)
+    assert measure.paired_ratios([2.0, 3.0], [1.0, 4.0]) == [2.0, 0.75]
+    with pytest.raises(ValueError, match="one baseline time per round"):
+        measure.paired_ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="summary of no values"):
+        measure.summary([])
+
+
+# --- all-reduces --------------------------------------------------------------------------
+
+
+def test_ours_make_one_all_reduce_per_update_and_the_plain_step_k_in_graph_derivation_and_trace(quick):
+    results, _, _ = quick
+    group = _group(results, "main", "R2")
+    k = group["k"]
+    rows = _rows(group)
+    for key in OURS:
+        counts = rows[key]["all_reduces"]
+        assert counts["derived_per_update"] == 1 and counts["measured_per_update"] == 1, key
+    for key in PLAIN | {"mask_trick_fit"}:
+        counts = rows[key]["all_reduces"]
+        assert counts["derived_per_update"] == k and counts["measured_per_update"] == k, key
+        assert counts["graph"]["step"] == {"every_call": 1, "conditional": 0}
+    # Where the one all-reduce sits: inside the cond (AccumulatingOptimizer), in the apply
+    # function only (GradientAccumulator), once per fit step (MicroBatching).
+    for key in ("accumulating_optimizer_fit", "accumulating_optimizer_custom"):
+        assert rows[key]["all_reduces"]["graph"]["step"] == {"every_call": 0, "conditional": 1}
+        assert rows[key]["all_reduces"]["calls_per_update"]["step"] == {"calls": k,
+                                                                        "branch_runs": 1}
+    assert rows["gradient_accumulator_custom"]["all_reduces"]["graph"] == {
+        "accumulate": {"every_call": 0, "conditional": 0},
+        "apply": {"every_call": 1, "conditional": 0}}
+    assert rows["micro_batching_fit"]["all_reduces"]["graph"]["step"] == {"every_call": 1,
+                                                                          "conditional": 0}
+
+
+def test_measured_all_reduces_per_update_follow_k_for_the_plain_step_only(quick):
+    results, _, _ = quick
+    for k in results["ks"]:
+        group = _group(results, "main" if k == results["k"] else "scaling_k", "R2", k)
+        rows = _rows(group)
+        for key in OURS:
+            assert rows[key]["all_reduces"]["measured_per_update"] == 1, (k, key)
+        for key in PLAIN:
+            assert rows[key]["all_reduces"]["measured_per_update"] == k, (k, key)
+
+
+def test_derived_count_is_graph_counts_times_calls_and_branch_runs():
+    placement = {"accumulate": {"every_call": 0, "conditional": 0},
+                 "step": {"every_call": 1, "conditional": 2}}
+    before = {"accumulate": (3, 0), "step": (10, 1)}
+    after = {"accumulate": (7, 0), "step": (14, 2)}
+    assert measure.derived_all_reduces(placement, before, after) == 1 * 4 + 2 * 1
+
+
+def test_profiler_events_count_all_reduce_kernels_on_host_planes_only():
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    for plane_name in ("/host:CPU", "/device:GPU:0"):
+        plane = space.planes.add(name=plane_name)
+        plane.event_metadata[1].name = "sgd/CollectiveReduceV2:CollectiveReduceV2"
+        plane.event_metadata[2].name = "CollectiveOpV2Kernel::Run"
+        plane.event_metadata[3].name = "dense/MatMul:MatMul"
+        line = plane.lines.add()
+        for metadata_id in (1, 1, 2, 3, 1):
+            line.events.add(metadata_id=metadata_id)
+    assert measure.all_reduce_events(space.SerializeToString()) == 3
+
+
+# --- what does not run, and why ------------------------------------------------------------
+
+
+def test_keras_builtin_and_pypi_model_run_without_a_strategy_and_raise_merge_call_error_mirrored(quick):
+    results, _, _ = quick
+    alone, mirrored = _rows(_group(results, "main", "none")), _rows(_group(results, "main", "R2"))
+    assert alone["keras_builtin_fit"]["status"] == "ok"
+    builtin = mirrored["keras_builtin_fit"]
+    assert builtin["status"] == "error" and builtin["error"]["type"] == "RuntimeError"
+    assert MERGE_CALL_ERROR in builtin["error"]["message"]
+    assert "\x1b[" not in builtin["error"]["message"]  # Keras' colour codes are stripped
+    pypi = results["pypi_package"]
+    if pypi["version"] is None:
+        for rows in (alone, mirrored):
+            assert rows["pypi_gradient_accumulator_fit"]["status"] == "not run"
+            assert "not installed" in rows["pypi_gradient_accumulator_fit"]["reason"]
+        return
+    assert alone["pypi_gradient_accumulator_fit"]["status"] == "ok"
+    package = mirrored["pypi_gradient_accumulator_fit"]
+    assert package["error"]["type"] == "RuntimeError"
+    assert MERGE_CALL_ERROR in package["error"]["message"]
+    if pypi["version"] == "0.4.2":
+        assert pypi["optimizer_error"]["type"] == "ImportError"
+        assert "`keras.optimizers.legacy` is not supported in Keras 3" in \
+            pypi["optimizer_error"]["message"]
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def test_memory_records_exist_for_each_distributed_runner_and_each_fresh_process(quick):
+    results, _, _ = quick
+    for row in _group(results, "main", "R2")["rows"]:
+        if row["status"] != "ok":
+            continue
+        memory = row["memory"]
+        assert memory["device"] == "CPU:0" and memory["step_bytes"] >= 0
+        assert memory["peak"] >= memory["current_before"] >= 0
+        # Accumulating approaches keep one buffer per variable; the plain step keeps none.
+        if row["key"] in {"plain_fit", "plain_custom", "micro_batching_fit", "plain_big_fit"}:
+            assert memory["state_bytes_per_replica"] == 0
+        else:
+            assert memory["state_bytes_per_replica"] > 0
+    fresh = {f["config"]: f for f in results["fresh_process_memory"]}
+    assert set(fresh) == {"micro_batching", "plain_micro_batch", "plain_big_batch"}
+    k, micro = results["k"], results["sizes"]["micro_batch"]
+    assert (fresh["micro_batching"]["batch_size"], fresh["micro_batching"]["micro_batches"]) \
+        == (k * micro, k)
+    assert fresh["plain_micro_batch"]["batch_size"] == micro
+    assert all(f["rss_peak"] >= f["rss_before"] > 0 for f in fresh.values())
+
+
+def test_accumulator_buffers_are_one_float32_copy_of_the_weights(quick):
+    results, _, _ = quick
+    s = results["sizes"]
+    weights = (s["features"] * s["hidden"] + s["hidden"]
+               + (s["layers"] - 1) * (s["hidden"] * s["hidden"] + s["hidden"]) + s["hidden"] + 1)
+    rows = _rows(_group(results, "main", "R2"))
+    # + the int64 micro-step counter
+    assert rows["gradient_accumulator_custom"]["memory"]["state_bytes_per_replica"] \
+        == 4 * weights + 8
+
+
+# --- scaling ----------------------------------------------------------------------------------
+
+
+def test_scaling_groups_cover_every_k_and_one_replica(quick):
+    results, _, _ = quick
+    assert results["ks"] == [1, 2] and results["k"] == 2
+    scaling = _group(results, "scaling_k", "R2", 1)
+    assert set(_rows(scaling)) == OURS | PLAIN
+    single = _group(results, "scaling_replicas", "R1", results["k"])
+    assert single["replicas"] == 1 and set(_rows(single)) == OURS | PLAIN
+
+
+# --- options and errors ---------------------------------------------------------------------
+
+
+def test_bad_options_fail_with_a_message_naming_the_choices(tmp_path):
+    with pytest.raises(SystemExit, match="unknown --sections \\['bogus'\\]; choose from main"):
+        run._defaults(run._parse(["--sections", "main,bogus"]))
+    with pytest.raises(SystemExit, match="--replicas must be >= 2"):
+        run._defaults(run._parse(["--replicas", "1"]))
+    with pytest.raises(FileNotFoundError, match="run `python -m benchmarks.run` first"):
+        report.render_all(tmp_path, tmp_path / "performance.md")
+
+
+def test_default_outputs_are_the_docs_folder_and_quick_goes_to_the_ignored_results_folder():
+    full = run._defaults(run._parse([]))
+    assert full.out == ROOT / "docs" / "performance" and full.page == ROOT / "docs" / "performance.md"
+    assert full.k == 4 and full.ks == [1, 2, 4, 8]
+    quick = run._defaults(run._parse(["--quick"]))
+    assert quick.out == ROOT / "benchmarks" / "results" / "quick"
+    assert quick.page == quick.out / "performance.md" and quick.ks == [1, 2]
+
+
+def test_gpu_script_refuses_to_run_without_a_gpu(tmp_path):
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
+             "PY": sys.executable},
+    )
+    assert done.returncode == 1
+    assert "no GPU visible to TensorFlow; this run measures GPU figures only" in done.stderr
+    assert not list(tmp_path.iterdir())
