@@ -106,3 +106,19 @@ def test_the_chief_checkpoint_restores_the_one_device_weights(tmp_path):
     x, y = regression_data(16)
     check_close(weights_of(model), big_batch_reference(lambda: keras.optimizers.SGD(0.1), x, y, steps=2))
     assert int(optimizer.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize("recipe", ["accumulator", "optimizer"])
+def test_accumulation_on_two_workers_equals_one_device_with_one_all_reduce_per_update(recipe):
+    results = run_workers(f"{EXPERIMENTS}:accumulated_equivalence", 2, timeout=180,
+                          recipe=recipe, optimizer="adam", accumulation_steps=2, updates=2)
+    for result in results:
+        assert result.ok, result.stderr_tail
+        value = result.value
+        assert value["iterations"] == 2  # updates, not micro-steps
+        assert value["max_abs_diff_vs_one_device"] <= 1e-6
+        if recipe == "accumulator":  # accumulate: no communication; apply: one all-reduce
+            assert value["all_reduce_ops_per_micro_step_function"] == 0
+            assert value["all_reduce_ops_per_apply_function"] == 1
+        else:  # the one all-reduce sits inside the update branch of the micro-step
+            assert value["all_reduce_ops_per_micro_step_function"] == 1

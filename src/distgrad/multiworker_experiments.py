@@ -178,3 +178,295 @@ def checkpoint_from_chief(task_index: int, num_workers: int, directory: str,
     target = directory if is_chief else tempfile.mkdtemp(prefix=f"worker{task_index}-")
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(f"{target}/ckpt")
     return {"is_chief": is_chief, "path": path if is_chief else None}
+
+
+def accumulated_equivalence(task_index: int, num_workers: int, recipe: str = "accumulator",
+                            optimizer: str = "adam", accumulation_steps: int = 2,
+                            updates: int = 2, collective_timeout: float = 60.0) -> dict:
+    """Lessons 02/03 on MWMS: k micro-batches per update, each worker its slice of each.
+
+    `recipe="accumulator"`: `GradientAccumulator` (accumulate function, then apply
+    function, Python deciding). `recipe="optimizer"`: `AccumulatingOptimizer` through
+    `apply_gradients` inside `strategy.run` every micro-step. Both are compared with
+    `updates` one-device steps on batches of GLOBAL_BATCH examples.
+    """
+    strategy = make_worker_strategy(collective_timeout)
+    import tensorflow as tf
+
+    from distgrad.accumulator import GradientAccumulator
+    from distgrad.collectives import count_collectives
+    from distgrad.equivalence import (
+        per_example_squared_error,
+        regression_data,
+        tiny_model,
+        weight_diff,
+        weights_of,
+    )
+    from distgrad.optimizer import AccumulatingOptimizer
+
+    if recipe not in ("accumulator", "optimizer"):
+        raise ValueError("recipe must be 'accumulator' or 'optimizer'.")
+    make_optimizer = _optimizer(optimizer)
+    micro = GLOBAL_BATCH // accumulation_steps  # global micro-batch
+    if micro % num_workers:
+        raise ValueError(f"micro-batch {micro} is not divisible by {num_workers} workers.")
+    per_worker = micro // num_workers
+    x, y = regression_data(GLOBAL_BATCH * updates)
+    with strategy.scope():
+        model = tiny_model()
+        if recipe == "accumulator":
+            opt = make_optimizer()
+            accumulator = GradientAccumulator(model.trainable_variables)
+        else:
+            opt = AccumulatingOptimizer(make_optimizer(), accumulation_steps)
+        opt.build(model.trainable_variables)
+
+    def replica_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            per_example = per_example_squared_error(yb, model(xb, training=True))
+            # accumulator: normalize by the whole update; optimizer: it averages over k
+            normalizer = GLOBAL_BATCH if recipe == "accumulator" else micro
+            loss = tf.reduce_sum(per_example) / normalizer
+        grads = tape.gradient(loss, model.trainable_variables)
+        if recipe == "accumulator":
+            accumulator.add(grads)
+        else:
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def micro_step(xb, yb):
+        return strategy.run(replica_fn, args=(xb, yb))
+
+    apply_step = accumulator.make_apply_step(opt) if recipe == "accumulator" else None
+    for update in range(updates):
+        for j in range(accumulation_steps):
+            lo = update * GLOBAL_BATCH + j * micro + task_index * per_worker
+            micro_step(tf.constant(x[lo:lo + per_worker]), tf.constant(y[lo:lo + per_worker]))
+        if apply_step is not None:
+            apply_step()
+    sample = (tf.constant(x[:per_worker]), tf.constant(y[:per_worker]))
+    with strategy.scope():
+        micro_ops = count_collectives(micro_step, *sample).all_reduce_ops
+        apply_ops = count_collectives(apply_step.function).all_reduce_ops if apply_step else 0
+    # One device, `updates` steps, each on the next GLOBAL_BATCH examples.
+    ref_model, ref_opt = tiny_model(), make_optimizer()
+    ref_opt.build(ref_model.trainable_variables)
+    for update in range(updates):
+        xb = x[update * GLOBAL_BATCH:(update + 1) * GLOBAL_BATCH]
+        yb = y[update * GLOBAL_BATCH:(update + 1) * GLOBAL_BATCH]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(per_example_squared_error(yb, ref_model(xb)))
+        grads = tape.gradient(loss, ref_model.trainable_variables)
+        ref_opt.apply_gradients(zip(grads, ref_model.trainable_variables))
+    reference = weights_of(ref_model)
+    diff = weight_diff(weights_of(model), reference)
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "local_devices": list(strategy.extended.worker_devices),
+        "supports_no_merge_call": no_merge_call,
+        "collective_op_types": collectives.op_types,
+        "all_reduces_per_step": collectives.all_reduce_ops,  # one replica per worker
+        "iterations": int(opt.iterations.numpy()),
+        "max_abs_diff_vs_one_device": diff.max_abs,
+        "max_rel_diff_vs_one_device": diff.max_rel,
+    }
+
+
+def cond_around_apply(task_index: int, num_workers: int, collective_timeout: float = 30.0) -> dict:
+    """`tf.cond(flag, apply_gradients, ...)` in replica context on MWMS: the lesson-03 error."""
+    strategy = make_worker_strategy(collective_timeout)
+    import tensorflow as tf
+
+    from distgrad.equivalence import per_example_squared_error, tiny_model
+
+    with strategy.scope():
+        model, opt = tiny_model(), _optimizer("sgd")()
+        opt.build(model.trainable_variables)
+    _, _, x_local, y_local = _shard(task_index, num_workers)
+
+    def replica_fn(xb, yb, flag):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(per_example_squared_error(yb, model(xb)),
+                                              global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        tf.cond(flag, lambda: opt.apply_gradients(zip(grads, model.trainable_variables)),
+                lambda: opt.iterations)
+        return loss
+
+    @tf.function
+    def step(xb, yb, flag):
+        return strategy.run(replica_fn, args=(xb, yb, flag))
+
+    try:
+        step(tf.constant(x_local), tf.constant(y_local), tf.constant(True))
+        return {"error": None}
+    except Exception as err:  # the pitfall: recorded, not hidden
+        return {"error": {"type": type(err).__name__, "message": str(err)}}
+
+
+def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 10.0,
+                dying_worker: int = 1) -> dict:
+    """Worker `dying_worker` exits after one step; the others run a second step.
+
+    The survivors' next all-reduce has no peer: with `collective_timeout` set it fails
+    within that bound (the strategy's peer health check may abort it sooner).
+    """
+    import os
+
+    strategy = make_worker_strategy(collective_timeout)
+    import tensorflow as tf
+
+    from distgrad.equivalence import tiny_model
+    from distgrad.sync import make_replica_step
+
+    with strategy.scope():
+        model, opt = tiny_model(), _optimizer("sgd")()
+        opt.build(model.trainable_variables)
+    _, _, x_local, y_local = _shard(task_index, num_workers)
+    replica_step = make_replica_step(GLOBAL_BATCH)
+
+    @tf.function
+    def step(xb, yb):
+        return strategy.run(replica_step, args=(model, opt, xb, yb))
+
+    step(tf.constant(x_local), tf.constant(y_local))
+    if task_index == dying_worker:
+        os._exit(3)  # a crash: no goodbye to the peers
+    started = time.monotonic()
+    try:
+        step(tf.constant(x_local), tf.constant(y_local))
+        return {"error": None, "seconds": time.monotonic() - started}
+    except Exception as err:
+        # TensorFlow prefixes the reason with the op's Python traceback; keep the reason.
+        return {"error": {"type": type(err).__name__, "message": str(err)[-600:]},
+                "seconds": time.monotonic() - started}
+
+
+def checkpoint_from_chief(task_index: int, num_workers: int, directory: str,
+                          steps: int = 2, collective_timeout: float = 60.0) -> dict:
+    """Train `steps` SGD steps, then save a `tf.train.Checkpoint` of model and optimizer.
+
+    Every worker must take part in the save (variables are read collectively), but only
+    the chief (task 0) writes into `directory`; the others write to a throwaway
+    directory of their own, the pattern of the TensorFlow multi-worker tutorial.
+    """
+    import tempfile
+
+    strategy = make_worker_strategy(collective_timeout)
+    import tensorflow as tf
+
+    from distgrad.equivalence import tiny_model
+    from distgrad.sync import make_replica_step
+
+    with strategy.scope():
+        model, opt = tiny_model(), _optimizer("sgd")()
+        opt.build(model.trainable_variables)
+    _, _, x_local, y_local = _shard(task_index, num_workers)
+    replica_step = make_replica_step(GLOBAL_BATCH)
+
+    @tf.function
+    def step(xb, yb):
+        return strategy.run(replica_step, args=(model, opt, xb, yb))
+
+    for _ in range(steps):
+        step(tf.constant(x_local), tf.constant(y_local))
+    is_chief = task_index == 0
+    target = directory if is_chief else tempfile.mkdtemp(prefix=f"worker{task_index}-")
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(f"{target}/ckpt")
+    return {"is_chief": is_chief, "path": path if is_chief else None}
+
+
+def accumulated_equivalence(task_index: int, num_workers: int, recipe: str = "accumulator",
+                            optimizer: str = "adam", accumulation_steps: int = 2,
+                            updates: int = 2, collective_timeout: float = 60.0) -> dict:
+    """Lessons 02/03 on MWMS: k micro-batches per update, each worker its slice of each.
+
+    `recipe="accumulator"`: `GradientAccumulator` (accumulate function, then apply
+    function, Python deciding). `recipe="optimizer"`: `AccumulatingOptimizer` through
+    `apply_gradients` inside `strategy.run` every micro-step. Both are compared with
+    `updates` one-device steps on batches of GLOBAL_BATCH examples.
+    """
+    strategy = make_worker_strategy(collective_timeout)
+    import tensorflow as tf
+
+    from distgrad.accumulator import GradientAccumulator
+    from distgrad.collectives import count_collectives
+    from distgrad.equivalence import (
+        per_example_squared_error,
+        regression_data,
+        tiny_model,
+        weight_diff,
+        weights_of,
+    )
+    from distgrad.optimizer import AccumulatingOptimizer
+
+    if recipe not in ("accumulator", "optimizer"):
+        raise ValueError("recipe must be 'accumulator' or 'optimizer'.")
+    make_optimizer = _optimizer(optimizer)
+    micro = GLOBAL_BATCH // accumulation_steps  # global micro-batch
+    if micro % num_workers:
+        raise ValueError(f"micro-batch {micro} is not divisible by {num_workers} workers.")
+    per_worker = micro // num_workers
+    x, y = regression_data(GLOBAL_BATCH * updates)
+    with strategy.scope():
+        model = tiny_model()
+        if recipe == "accumulator":
+            opt = make_optimizer()
+            accumulator = GradientAccumulator(model.trainable_variables)
+        else:
+            opt = AccumulatingOptimizer(make_optimizer(), accumulation_steps)
+        opt.build(model.trainable_variables)
+
+    def replica_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            per_example = per_example_squared_error(yb, model(xb, training=True))
+            # accumulator: normalize by the whole update; optimizer: it averages over k
+            normalizer = GLOBAL_BATCH if recipe == "accumulator" else micro
+            loss = tf.reduce_sum(per_example) / normalizer
+        grads = tape.gradient(loss, model.trainable_variables)
+        if recipe == "accumulator":
+            accumulator.add(grads)
+        else:
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def micro_step(xb, yb):
+        return strategy.run(replica_fn, args=(xb, yb))
+
+    apply_step = accumulator.make_apply_step(opt) if recipe == "accumulator" else None
+    for update in range(updates):
+        for j in range(accumulation_steps):
+            lo = update * GLOBAL_BATCH + j * micro + task_index * per_worker
+            micro_step(tf.constant(x[lo:lo + per_worker]), tf.constant(y[lo:lo + per_worker]))
+        if apply_step is not None:
+            apply_step()
+    sample = (tf.constant(x[:per_worker]), tf.constant(y[:per_worker]))
+    with strategy.scope():
+        micro_ops = count_collectives(micro_step, *sample).all_reduce_ops
+        apply_ops = count_collectives(apply_step.function).all_reduce_ops if apply_step else 0
+    reference = big_batch_reference(make_optimizer, x, y, steps=1) if updates == 1 else None
+    if reference is None:  # `updates` steps, one per consecutive big batch
+        import keras
+
+        ref_model, ref_opt = tiny_model(), make_optimizer()
+        ref_opt.build(ref_model.trainable_variables)
+        for update in range(updates):
+            xb = x[update * GLOBAL_BATCH:(update + 1) * GLOBAL_BATCH]
+            yb = y[update * GLOBAL_BATCH:(update + 1) * GLOBAL_BATCH]
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(per_example_squared_error(yb, ref_model(xb)))
+            grads = tape.gradient(loss, ref_model.trainable_variables)
+            ref_opt.apply_gradients(zip(grads, ref_model.trainable_variables))
+        reference = weights_of(ref_model)
+        del keras
+    diff = weight_diff(weights_of(model), reference)
+    return {
+        "recipe": recipe,
+        "iterations": int(opt.iterations.numpy()),
+        "all_reduce_ops_per_micro_step_function": micro_ops,
+        "all_reduce_ops_per_apply_function": apply_ops,
+        "max_abs_diff_vs_one_device": diff.max_abs,
+        "max_rel_diff_vs_one_device": diff.max_rel,
+    }
