@@ -12,7 +12,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lessons site site-test chromium serve unit clean
+.PHONY: course test install lessons site site-test chromium serve unit bench clean
 
 install: $(STAMP)
 
@@ -71,6 +71,12 @@ test: install
 	$(MAKE) lessons
 	$(MAKE) site
 	$(MAKE) site-test
+
+# Benchmarks (minutes, not part of `make test`): writes docs/performance/ and
+# docs/performance.md; `$(PY) -m benchmarks.run --quick` for a smoke run.
+bench: install
+	$(PY) -m pip install -e '.[bench]'
+	$(PY) -m benchmarks.run
 
 clean:
 	rm -rf site build $(EXECUTED)/*.ipynb

@@ -15,7 +15,8 @@ What runs, in order (see `benchmarks.approaches` for the runners):
 4. **scaling in replicas**: the same at k = `--k` on one replica (MirroredStrategy over
    one device); the no-strategy and distributed points come from the main groups;
 5. **peak RSS** of micro-batching vs plain B/k vs plain B, each in a fresh process
-   (`distgrad.memory.fresh_process_step_memory`).
+   (`python -m distgrad.memory`, as `distgrad.memory.fresh_process_step_memory` runs it,
+   but through a trampoline: see `_fresh_process_memory`).
 
 On a machine with GPUs the replicas are GPUs (`distgrad.make_strategy`), the `gpu`
 size preset is used, and the files get a `-gpu` suffix, so CPU and GPU results live
@@ -25,12 +26,14 @@ side by side and the page shows both.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import gc
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -39,6 +42,8 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parent.parent
+if not __package__:  # `python benchmarks/run.py`: make `benchmarks` importable
+    sys.path.insert(0, str(ROOT))
 DOCS_OUT = ROOT / "docs" / "performance"
 DOCS_PAGE = ROOT / "docs" / "performance.md"
 QUICK_OUT = ROOT / "benchmarks" / "results" / "quick"
@@ -105,7 +110,16 @@ def _log(message: str) -> None:
     print(f"[benchmarks {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def _row(runner_or_failed, times=None, baseline_times=None, micro_batches=None):
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _plain_text(message: str) -> str:
+    """`message` without terminal colour codes (Keras wraps layer errors in them)."""
+    return _ANSI.sub("", message)
+
+
+def _row(runner_or_failed, times=None, baseline_times=None, micro_batches=None,
+         cpu_times=None, cpu_baseline=None):
     from benchmarks.approaches import Failed
     from benchmarks.measure import paired_ratios, summary
 
@@ -115,14 +129,18 @@ def _row(runner_or_failed, times=None, baseline_times=None, micro_batches=None):
                 "role": failed.role, "ours": failed.ours,
                 "status": "error" if failed.error else "not run",
                 "error": None if failed.error is None else
-                {"type": failed.error.type, "message": failed.error.message},
+                {"type": failed.error.type, "message": _plain_text(failed.error.message)},
                 "reason": failed.reason}
     row = {**runner_or_failed.describe(), "status": "ok", "seconds": times,
-           "ms_per_micro_batch": summary([1e3 * t / micro_batches for t in times])}
+           "cpu_seconds": cpu_times,
+           "ms_per_micro_batch": summary([1e3 * t / micro_batches for t in times]),
+           "cpu_ms_per_micro_batch": summary([1e3 * t / micro_batches for t in cpu_times])}
     if baseline_times is not None:
         ratios = paired_ratios(times, baseline_times)
         row["vs_baseline"] = summary(ratios)
         row["overhead_percent"] = summary([100.0 * (r - 1.0) for r in ratios])
+        cpu_ratios = paired_ratios(cpu_times, cpu_baseline)
+        row["cpu_overhead_percent"] = summary([100.0 * (r - 1.0) for r in cpu_ratios])
     return row
 
 
@@ -147,21 +165,22 @@ def _time_group(name, strategy_name, strategy, classes, sizes, k, repeats, physi
         runner.run(1)
     updates = sizes.block_updates(k)
     micro_batches = updates * k
-    times = timed_rounds(runners, lambda r: updates, repeats)
+    times, cpu_times = timed_rounds(runners, lambda r: updates, repeats)
     baseline_times = {r.path: times[r.key] for r in runners if r.role == "baseline"}
+    cpu_baseline = {r.path: cpu_times[r.key] for r in runners if r.role == "baseline"}
     rows = []
     for item in built:
         if isinstance(item, approaches.Failed):
             rows.append(_row(item))
             continue
-        baseline = baseline_times.get(item.path)
-        if item.role == "baseline":
-            baseline = None
-        if item.role == "floor":  # the floor is compared with its path's plain step
-            baseline = baseline_times.get(item.path)
-        rows.append(_row(item, times[item.key], baseline, micro_batches))
+        # Every runner but the baselines is compared with its path's plain step (the
+        # floor too: its ratio is the share of a step that is not compute).
+        compare = item.role != "baseline"
+        rows.append(_row(item, times[item.key],
+                         baseline_times.get(item.path) if compare else None, micro_batches,
+                         cpu_times[item.key], cpu_baseline.get(item.path) if compare else None))
     by_key = {r.key: r for r in runners}
-    if all_reduces != "none" and strategy.num_replicas_in_sync > 1:
+    if all_reduces != "none":
         for row in rows:
             runner = by_key.get(row["key"])
             if runner is None or runner.role == "floor":
@@ -190,24 +209,45 @@ def _time_group(name, strategy_name, strategy, classes, sizes, k, repeats, physi
     return record
 
 
-def _fresh_process_memory(sizes, k, replicas) -> list:
-    from distgrad.memory import fresh_process_step_memory
+# Started from this (large) process, a child's `ru_maxrss` would start at *our* peak RSS:
+# Linux carries the pre-exec memory map's high-water mark into the exec'd program's
+# rusage (fs/exec.c, setmax_mm_hiwater_rss), and Python's subprocess shares that map
+# (vfork). A tiny trampoline process in between makes the floor its own few MB.
+_TRAMPOLINE = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
+
+def _fresh_process_memory(sizes, k, replicas, physical_gpus, timeout: float = 600) -> list:
+    """Peak RSS and allocator bytes of micro-batching vs plain B/k vs plain B, each in a
+    fresh `python -m distgrad.memory` (`distgrad.memory._workload`)."""
     big = k * sizes.micro_batch
     configs = [("micro_batching", k, big), ("plain_micro_batch", 1, sizes.micro_batch),
                ("plain_big_batch", 1, big)]
-    out = []
-    for name, micro_batches, batch in configs:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+    def one(config):
+        name, micro_batches, batch = config
         t0 = time.perf_counter()
-        m = fresh_process_step_memory(micro_batches, batch, sizes.features, sizes.hidden,
-                                      sizes.layers, replicas=replicas, timed_steps=1)
-        out.append({"config": name, "micro_batches": micro_batches, "batch_size": batch,
-                    "replicas": replicas, "rss_before": m.rss_before, "rss_peak": m.rss_peak,
-                    "rss_growth": m.rss_growth, "allocator_device": m.step.device,
-                    "allocator_step_bytes": m.step.step_bytes})
-        _log(f"fresh process {name}: peak RSS {m.rss_peak / 2**20:.0f} MiB "
+        args = [str(a) for a in (micro_batches, batch, sizes.features, sizes.hidden,
+                                 sizes.layers, replicas, 1)]
+        done = subprocess.run([sys.executable, "-c", _TRAMPOLINE, sys.executable, "-m",
+                               "distgrad.memory", *args], capture_output=True, text=True,
+                              env=env, timeout=timeout, check=False)
+        if done.returncode:
+            raise RuntimeError(f"fresh process {name} failed:\n{done.stderr[-3000:]}")
+        m = json.loads(done.stdout.strip().splitlines()[-1])
+        step = m["step"]
+        _log(f"fresh process {name}: peak RSS {m['rss_peak'] / 2**20:.0f} MiB "
              f"({time.perf_counter() - t0:.1f} s)")
-    return out
+        return {"config": name, "micro_batches": micro_batches, "batch_size": batch,
+                "replicas": replicas, "rss_before": m["rss_before"], "rss_peak": m["rss_peak"],
+                "rss_growth": m["rss_peak"] - m["rss_before"], "allocator_device": step["device"],
+                "allocator_step_bytes": step["peak"] - step["current_before"]}
+
+    # On CPU concurrently: each process' peak RSS and allocator statistic are its own,
+    # and no time is reported from these processes. On GPUs one at a time: each process
+    # reserves its logical GPUs' memory.
+    with concurrent.futures.ThreadPoolExecutor(1 if physical_gpus else len(configs)) as pool:
+        return list(pool.map(one, configs))
 
 
 def measure(args) -> dict:
@@ -232,10 +272,11 @@ def measure(args) -> dict:
     if args.repeats:
         sizes = dataclasses.replace(sizes, repeats=args.repeats,
                                                scaling_repeats=args.repeats)
-    # One strategy object per replica count, reused by every runner: two MirroredStrategy
-    # objects over the same devices start from the same collective group and instance
-    # keys (cross_device_utils.CollectiveKeys, INSTANCE_KEY_START_NUMBER) and their
-    # all-reduces collide ("Shape mismatch in the collective instance 100").
+    # One strategy object per replica count, reused by every runner (make_strategy caches
+    # one per device set): two MirroredStrategy objects over the same devices start from
+    # the same collective group and instance keys (cross_device_utils.CollectiveKeys,
+    # INSTANCE_KEY_START_NUMBER) and their all-reduces collide ("Shape mismatch in the
+    # collective instance 100", tensorflow/tensorflow#62790).
     strategies = {"none": tf.distribute.get_strategy(),
                   "R1": distgrad.make_strategy(1),
                   f"R{args.replicas}": distgrad.make_strategy(args.replicas)}
@@ -244,7 +285,15 @@ def measure(args) -> dict:
     _log(f"preset {preset} {sizes}, k={args.k}, ks={args.ks}, strategies {list(strategies)}")
 
     main_classes = list(approaches.MAIN_ORDER)
+    if preset == "quick":  # the floors are plain runners on another model: same code
+        main_classes = [c for c in main_classes if c.role != "floor"]
     scaling_classes = [approaches.PlainFit, approaches.PlainCustom, *approaches.OURS]
+    fresh_future = None
+    if "fresh_processes" in args.sections:
+        # After every timing, so nothing else competes for the cores while timing.
+        fresh_pool = concurrent.futures.ThreadPoolExecutor(1)
+        fresh_start = lambda: fresh_pool.submit(
+            _fresh_process_memory, sizes, args.k, args.replicas, physical_gpus)
     groups = []
     if "main" in args.sections:
         groups.append(_time_group("main", "none", strategies["none"], main_classes, sizes,
@@ -261,11 +310,14 @@ def measure(args) -> dict:
                                       physical_gpus, all_reduces="measured"))
     if "scaling_replicas" in args.sections:
         groups.append(_time_group("scaling_replicas", "R1", strategies["R1"], scaling_classes,
-                                  sizes, args.k, sizes.scaling_repeats, physical_gpus))
-    fresh = []
-    if "fresh_processes" in args.sections:
-        fresh = _fresh_process_memory(sizes, args.k, args.replicas)
+                                  sizes, args.k, sizes.scaling_repeats, physical_gpus,
+                                  all_reduces="measured"))
+    if "fresh_processes" in args.sections and fresh_future is None:
+        fresh_future = fresh_start()
+    fresh = fresh_future.result() if fresh_future is not None else []
     pypi_version, pypi_error = approaches.pypi_package_status()
+    pypi_optimizer = (approaches.pypi_optimizer_error()
+                      if pypi_version and pypi_error is None else None)
     return {
         "schema": SCHEMA,
         "label": label,
@@ -288,7 +340,10 @@ def measure(args) -> dict:
         "replicas": args.replicas,
         "pypi_package": {"name": approaches.PYPI_PACKAGE, "version": pypi_version,
                          "import_error": None if pypi_error is None else
-                         {"type": pypi_error.type, "message": pypi_error.message}},
+                         {"type": pypi_error.type, "message": pypi_error.message},
+                         "optimizer_error": None if pypi_optimizer is None else
+                         {"type": pypi_optimizer.type,
+                          "message": _plain_text(pypi_optimizer.message)}},
         "groups": groups,
         "fresh_process_memory": fresh,
     }

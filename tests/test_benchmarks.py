@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import measure, report, run  # noqa: E402
+from benchmarks import measure, report, run
 
 MERGE_CALL_ERROR = "`merge_call` called while defining a new graph or a tf.function."
 OURS = {"accumulating_optimizer_fit", "micro_batching_fit", "gradient_accumulator_custom",
@@ -36,7 +37,7 @@ def quick(tmp_path_factory):
     page = out / "page" / "performance.md"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out), "--page", str(page)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -282,13 +283,27 @@ def test_default_outputs_are_the_docs_folder_and_quick_goes_to_the_ignored_resul
     assert quick.page == quick.out / "performance.md" and quick.ks == [1, 2]
 
 
+def test_require_gpu_stops_before_measuring_when_tensorflow_sees_no_gpu(tmp_path):
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU machine")
+    args = run._defaults(run._parse(["--require-gpu", "--out", str(tmp_path)]))
+    with pytest.raises(SystemExit, match="no GPU visible to TensorFlow; this run measures GPU "
+                                         "figures only"):
+        run.measure(args)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None,
+                    reason="a GPU machine: gpu.sh would run the GPU benchmark")
 def test_gpu_script_refuses_to_run_without_a_gpu(tmp_path):
     done = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
              "PY": sys.executable},
     )
     assert done.returncode == 1
-    assert "no GPU visible to TensorFlow; this run measures GPU figures only" in done.stderr
+    assert "no GPU visible (nvidia-smi not found); this run measures GPU figures only" \
+        in done.stderr
     assert not list(tmp_path.iterdir())
