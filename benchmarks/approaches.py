@@ -39,16 +39,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.accumulator import AccumulatedTrainer
+from distgrad.lab.accumulation import AccumulatedTrainer
+from distgrad.lab.graph import AllReducePlacement, all_reduce_placement, fit_step_placement
+from distgrad.lab.recipes import make_replica_step
 from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.pitfalls import CapturedError
-from distgrad.pitfalls.mask_trick import (
-    AllReducePlacement,
-    all_reduce_placement,
-    fit_step_placement,
-    patch_with_mask,
-)
-from distgrad.sync import make_replica_step
+from distgrad.pitfalls.mask_trick import patch_with_mask
 from distgrad.train_step import with_micro_batches
 
 LEARNING_RATE = 1e-3
@@ -301,7 +297,7 @@ class AccumulatingOptimizerFit(FitRunner):
 
     def _build(self):
         model = self._model()
-        model.compile(AccumulatingOptimizer(_sgd(), steps=self.k), "mse", jit_compile=False)
+        model.compile(AccumulatingOptimizer(_sgd(), accumulation_steps=self.k), "mse", jit_compile=False)
         return model
 
     def executions(self):
@@ -309,7 +305,7 @@ class AccumulatingOptimizerFit(FitRunner):
         return {"step": (self.steps, updates)}
 
     def state_variables(self):
-        return self.model.optimizer.accumulators + [self.model.optimizer.micro_steps]
+        return self.model.optimizer.accumulators + [self.model.optimizer.total_micro_steps]
 
 
 class MicroBatchingFit(FitRunner):
@@ -465,13 +461,13 @@ class AccumulatingOptimizerCustom(PlainCustom):
                               "approach", True)
 
     def _optimizer(self):
-        return AccumulatingOptimizer(_sgd(), steps=self.k)
+        return AccumulatingOptimizer(_sgd(), accumulation_steps=self.k)
 
     def executions(self):
         return {"step": (self.calls, int(self.optimizer.iterations.numpy()))}
 
     def state_variables(self):
-        return self.optimizer.accumulators + [self.optimizer.micro_steps]
+        return self.optimizer.accumulators + [self.optimizer.total_micro_steps]
 
 
 class GradientAccumulatorCustom(Runner):

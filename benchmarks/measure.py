@@ -33,7 +33,7 @@ import time
 
 import tensorflow as tf
 
-from distgrad.collectives import ALL_REDUCE_OP_TYPES
+from distgrad.lab.graph import ALL_REDUCE_OP_TYPES
 from distgrad.memory import allocator_device, measure_step_memory
 
 

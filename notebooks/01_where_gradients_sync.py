@@ -43,9 +43,12 @@ distgrad.environment_report(strategy)
 import keras
 import numpy as np
 import tensorflow as tf
+from distgrad.lab.spy import record_sync_path, summarize_path
 
-from distgrad.equivalence import big_batch_reference, regression_data, update_ratio, updates
-from distgrad.sync import make_replica_step, run_steps
+from distgrad.lab.compare import check_close, update_ratio, updates, weight_diff, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.graph import count_collectives
+from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
 
 # Every experiment below builds fresh tf.functions on purpose; silence the retracing notes.
 tf.get_logger().setLevel("ERROR")
@@ -67,7 +70,7 @@ sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
 # %%
 distributed = run_steps(strategy, sgd, x, y, make_replica_step(GLOBAL_BATCH), steps=3)
 one_device = big_batch_reference(sgd, x, y, steps=3)
-diff = distgrad.check_close(distributed.final, one_device)
+diff = check_close(distributed.final, one_device)
 print(f"{R} replicas vs 1 device after 3 SGD steps: {diff}")
 assert distributed.copies_agree  # every replica's copy of every variable is identical
 assert distributed.iterations == 3  # one optimizer step per call, not one per replica
@@ -86,7 +89,7 @@ assert distributed.iterations == 3  # one optimizer step per call, not one per r
 
 # %%
 with strategy.scope():
-    model, optimizer = distgrad.tiny_model(), sgd()
+    model, optimizer = tiny_model(), sgd()
     optimizer.build(model.trainable_variables)
 replica_step = make_replica_step(GLOBAL_BATCH)
 batch = next(iter(strategy.experimental_distribute_dataset(
@@ -98,8 +101,8 @@ def distributed_step(batch):
     return strategy.run(replica_step, args=(model, optimizer, *batch))
 
 
-_, events = distgrad.record_sync_path(distributed_step.get_concrete_function, batch)
-path = distgrad.summarize_path(events)
+_, events = record_sync_path(distributed_step.get_concrete_function, batch)
+path = summarize_path(events)
 for function, context, calls in path:
     print(f"{function:45s} {context:14s} x{calls}")
 
@@ -137,15 +140,15 @@ assert order.index("BaseOptimizer._clip_gradients") < order.index("ReplicaContex
 
 # %%
 with strategy.scope():
-    full_step = distgrad.count_collectives(distributed.step_function, distributed.batch)
+    full_step = count_collectives(distributed.step_function, distributed.batch)
 gradients_only = run_steps(strategy, sgd, x, y, make_replica_step(GLOBAL_BATCH, apply="none"))
 with strategy.scope():
-    no_apply = distgrad.count_collectives(gradients_only.step_function, gradients_only.batch)
+    no_apply = count_collectives(gradients_only.step_function, gradients_only.batch)
 print("full step:", full_step.op_types, "->", full_step.all_reduces, "all-reduce")
 print("gradients only:", no_apply.op_types, "->", no_apply.all_reduces, "all-reduces")
 assert full_step.all_reduces == 1
 assert no_apply.all_reduces == 0
-assert distgrad.weight_diff(gradients_only.final, gradients_only.initial).max_abs == 0.0
+assert weight_diff(gradients_only.final, gradients_only.initial).max_abs == 0.0
 
 # %% [markdown]
 # ## 4 · The loss must be scaled by the global batch
@@ -173,7 +176,7 @@ assert abs(record.global_scaling_ratio - 1) < 1e-6  # compute_average_loss gets 
 # Dropping the reduce changes no weight.
 
 # %%
-initial_model = distgrad.tiny_model()  # same seed: the initial weights of every run
+initial_model = tiny_model()  # same seed: the initial weights of every run
 full_batch_loss = float(tf.reduce_mean(tf.square(initial_model(x) - y)))
 print(f"full-batch loss {full_batch_loss:.6f}; reported (global scaling) "
       f"{record.reported_loss_global:.6f}; reported (per-replica mean) "
@@ -182,11 +185,11 @@ assert abs(record.reported_loss_global - full_batch_loss) < 1e-6 * full_batch_lo
 assert abs(record.reported_loss_per_replica_mean - R * full_batch_loss) < 1e-5 * full_batch_loss
 
 with strategy.scope():
-    unreported_model, unreported_optimizer = distgrad.tiny_model(), sgd()
+    unreported_model, unreported_optimizer = tiny_model(), sgd()
     unreported_optimizer.build(unreported_model.trainable_variables)
 tf.function(lambda b: strategy.run(replica_step, args=(unreported_model, unreported_optimizer, *b)))(batch)
 one_step = run_steps(strategy, sgd, x, y, make_replica_step(GLOBAL_BATCH))
-distgrad.check_close(distgrad.weights_of(unreported_model), one_step.final, rtol=0, atol=0)
+check_close(weights_of(unreported_model), one_step.final, rtol=0, atol=0)
 
 # %% [markdown]
 # ### Can you turn the optimizer's SUM off and all-reduce yourself?
@@ -255,7 +258,7 @@ for name, make in {
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
 }.items():
     run = run_steps(strategy, make, x, y, make_replica_step(GLOBAL_BATCH), steps=3)
-    print(f"{name:9s} {R} replicas vs 1 device:", distgrad.check_close(run.final, big_batch_reference(make, x, y, steps=3)))
+    print(f"{name:9s} {R} replicas vs 1 device:", check_close(run.final, big_batch_reference(make, x, y, steps=3)))
 
 # %% [markdown]
 # ## Takeaways

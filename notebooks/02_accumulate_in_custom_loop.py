@@ -53,26 +53,17 @@ import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
 
-from distgrad.accumulator import (
-    AccumulatedTrainer,
-    GradientAccumulator,
-    dense_gradient_reference,
+from distgrad.accumulator import GradientAccumulator
+from distgrad.lab.accumulation import AccumulatedTrainer, full_batch_loss, train_accumulated
+from distgrad.lab.compare import check_close, check_not_close, update_ratio, updates, weights_of
+from distgrad.lab.data import (
     embedding_model,
-    full_batch_loss,
-    token_data,
-    train_accumulated,
-)
-from distgrad.equivalence import (
-    big_batch_reference,
-    check_close,
-    check_not_close,
     per_example_squared_error,
     regression_data,
     tiny_model,
-    update_ratio,
-    updates,
-    weights_of,
+    token_data,
 )
+from distgrad.lab.recipes import big_batch_reference, dense_gradient_reference
 from distgrad.pitfalls import lazy_slot_creation, outside_strategy_run
 
 # Every experiment below builds fresh tf.functions on purpose; silence the retracing notes.

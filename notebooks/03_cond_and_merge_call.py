@@ -53,8 +53,10 @@ import tensorflow as tf
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 from tensorflow.python.distribute import mirrored_run, mirrored_strategy
 
-from distgrad.equivalence import check_close, regression_data, weights_of
-from distgrad.optimizer import AccumulatingOptimizer, custom_loop_run, fit_run
+from distgrad.lab.compare import check_close, weight_diff, weights_of
+from distgrad.lab.data import regression_data
+from distgrad.lab.recipes import custom_loop_run, fit_run
+from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.pitfalls import cond_merge_call, mask_trick
 
 tf.get_logger().setLevel("ERROR")  # fresh tf.functions on purpose: silence retracing notes
@@ -305,8 +307,8 @@ adam = mask_trick.OPTIMIZERS["adam"]
 reference = fit_run(None, adam, x, y, MICRO_BATCH * STEPS)
 loop = custom_loop_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x, y, MICRO_BATCH)
 print("custom loop vs big batch:", check_close(loop.final, reference.final),
-      f"updates={loop.updates}, micro-steps={loop.micro_steps}")
-assert (loop.updates, loop.micro_steps) == (UPDATES, UPDATES * STEPS)
+      f"updates={loop.updates}, micro-steps={loop.total_micro_steps}")
+assert (loop.updates, loop.total_micro_steps) == (UPDATES, UPDATES * STEPS)
 
 clipped = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)
 clip_reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
@@ -314,8 +316,8 @@ clip_run = fit_run(strategy, lambda: AccumulatingOptimizer(clipped(), STEPS), x,
 unclipped = fit_run(None, mask_trick.OPTIMIZERS["sgd"], x, y, MICRO_BATCH * STEPS)
 print("global_clipnorm, vs one-device clipped big batch:", check_close(clip_run.final, clip_reference.final))
 print("  (clipping is active: unclipped differs by",
-      f"{distgrad.weight_diff(clip_reference.final, unclipped.final).max_abs:.3e})")
-assert not distgrad.weight_diff(clip_reference.final, unclipped.final).within()
+      f"{weight_diff(clip_reference.final, unclipped.final).max_abs:.3e})")
+assert not weight_diff(clip_reference.final, unclipped.final).within()
 placement = mask_trick.fit_step_placement(clip_run.model, x, y, MICRO_BATCH)
 print("  all-reduces with clipping:", placement)
 assert (placement.every_call, placement.conditional) == (0, 2)
@@ -334,8 +336,8 @@ with tempfile.TemporaryDirectory() as folder:
     with strategy.scope():
         loaded = keras.models.load_model(path)
 print(type(loaded.optimizer).__name__, "updates", int(loaded.optimizer.iterations.numpy()),
-      "micro-steps", int(loaded.optimizer.micro_steps.numpy()))
-assert (int(loaded.optimizer.iterations.numpy()), int(loaded.optimizer.micro_steps.numpy())) == (1, 6)
+      "micro-steps", int(loaded.optimizer.total_micro_steps.numpy()))
+assert (int(loaded.optimizer.iterations.numpy()), int(loaded.optimizer.total_micro_steps.numpy())) == (1, 6)
 loaded.fit(x[split:], y[split:], batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
 print("saved mid-cycle, loaded, continued vs big batch:", check_close(weights_of(loaded), reference.final))
 

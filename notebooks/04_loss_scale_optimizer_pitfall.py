@@ -54,7 +54,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.optimizers import loss_scale_optimizer
 
-from distgrad.equivalence import check_close, check_not_close
+from distgrad.lab.compare import check_close, check_not_close
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
 

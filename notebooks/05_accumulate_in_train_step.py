@@ -51,15 +51,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
 
-from distgrad.equivalence import check_close, regression_data, tiny_model, weights_of
+from distgrad.lab.compare import check_close, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.graph import fit_step_placement, placement_of_graph
 from distgrad.pitfalls import compound_assignment
-from distgrad.train_step import (
-    MicroBatching,
-    check_micro_batches,
-    fit_step_graph,
-    step_collectives,
-    with_micro_batches,
-)
+from distgrad.train_step import MicroBatching, check_micro_batches, with_micro_batches
 
 tf.get_logger().setLevel("ERROR")  # fresh models retrace on purpose; silence the notes
 GLOBAL_BATCH = 8 * R
@@ -215,15 +211,15 @@ for name, make in OPTIMIZERS.items():
 # %% [markdown]
 # ### One all-reduce per step, outside the loop
 #
-# `fit_step_graph` traces the very `tf.function` that `model.fit` calls each step
-# (`model.train_function`), and `step_collectives` counts the all-reduce ops in it, and
+# `fit_step_placement` traces the very `tf.function` that `model.fit` calls each step
+# (`model.train_function`), and counts the all-reduce ops in it, and
 # how many of them sit inside a `tf.while_loop` body (those would run k times).
 
 # %%
 micro, _ = fit(strategy, OPTIMIZERS["adam"], micro_batches=K, epochs=1)
 plain, _ = fit(strategy, OPTIMIZERS["adam"], epochs=1)
-micro_counts = step_collectives(fit_step_graph(micro, x, y, GLOBAL_BATCH), R)
-plain_counts = step_collectives(fit_step_graph(plain, x, y, GLOBAL_BATCH), R)
+micro_counts = fit_step_placement(micro, x, y, GLOBAL_BATCH)
+plain_counts = fit_step_placement(plain, x, y, GLOBAL_BATCH)
 print("micro-batched step:", micro_counts)
 print("plain Keras step:  ", plain_counts)
 if R > 1:
@@ -281,8 +277,8 @@ if R > 1:
     guarded, _ = fit(strategy, lambda: AllReplicasFiniteLossScaleOptimizer(
         keras.optimizers.SGD(0.1), initial_scale=2.0 ** 10), 2, model_factory=mixed_model,
         data=(x[:GLOBAL_BATCH], targets), epochs=1)
-    guarded_counts = step_collectives(fit_step_graph(guarded, x[:GLOBAL_BATCH], targets,
-                                                     GLOBAL_BATCH), R)
+    guarded_counts = fit_step_placement(guarded, x[:GLOBAL_BATCH], targets,
+                                                     GLOBAL_BATCH)
     print("overflow on replicas 1..R-1: iterations", int(guarded.optimizer.iterations.numpy()),
           "| loss scale", float(guarded.optimizer.dynamic_scale.numpy()), "|", guarded_counts)
     assert int(guarded.optimizer.iterations.numpy()) == 0
@@ -292,7 +288,7 @@ if R > 1:
 #
 # ### A batch that does not split
 #
-# Every batch must hold a multiple of `micro_batches x replicas` examples, the last batch of
+# Every batch must hold a multiple of `accumulation_steps x replicas` examples, the last batch of
 # an epoch included. With static shapes the step fails while tracing, with a `ValueError`;
 # with a partial last batch (numpy input whose length is not a multiple of `batch_size`) it
 # fails when that batch arrives. Both messages name the fix.
@@ -305,13 +301,13 @@ try:
 except tf.errors.InvalidArgumentError as err:
     ragged_error = next(line for line in str(err).splitlines() if "assertion failed" in line)
 print(ragged_error[:400])
-assert "drop_remainder=True" in ragged_error and f"micro_batches={K}" in ragged_error
+assert "drop_remainder=True" in ragged_error and f"accumulation_steps={K}" in ragged_error
 
 try:
     check_micro_batches(12, 4, 2)
 except ValueError as err:
     print(err)
-    assert "multiple of micro_batches x replicas = 8 (e.g. 8 or 16)" in str(err)
+    assert "multiple of accumulation_steps x replicas = 8 (e.g. 8 or 16)" in str(err)
 
 # %% [markdown]
 # ## 5 · What it buys: memory, and what it costs: time
@@ -501,7 +497,7 @@ def classifier(micro_batches=None):
                                  kernel_initializer=keras.initializers.GlorotUniform(seed=1))(h)
     if micro_batches is None:
         return keras.Model(inputs, outputs)
-    return MicroBatchingModel(inputs, outputs, micro_batches=micro_batches)
+    return MicroBatchingModel(inputs, outputs, accumulation_steps=micro_batches)
 
 
 def fit_classifier(on, micro_batches=None):

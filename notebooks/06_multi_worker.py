@@ -39,6 +39,8 @@ distgrad.environment_report(strategy)
 # %%
 import tempfile
 
+from distgrad.lab.compare import check_close, weights_of
+from distgrad.lab.data import tiny_model
 from distgrad.multiworker import run_workers
 
 EXPERIMENTS = "distgrad.multiworker_experiments"
@@ -135,17 +137,18 @@ for recipe in ("accumulator", "optimizer"):
 import keras
 import tensorflow as tf
 
-from distgrad.equivalence import big_batch_reference, regression_data
+from distgrad.lab.data import regression_data
+from distgrad.lab.recipes import big_batch_reference
 
 checkpoint_dir = tempfile.mkdtemp(prefix="distgrad-chief-")
 chief, other = run_workers(f"{EXPERIMENTS}:checkpoint_from_chief", WORKERS, timeout=240,
                            directory=checkpoint_dir, steps=2)
 assert chief.ok and other.ok and chief.value["is_chief"] and other.value["path"] is None
-restored, restored_optimizer = distgrad.tiny_model(), keras.optimizers.SGD(0.1)
+restored, restored_optimizer = tiny_model(), keras.optimizers.SGD(0.1)
 restored_optimizer.build(restored.trainable_variables)
 tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(chief.value["path"]).assert_consumed()
 x, y = regression_data(16)
-print(distgrad.check_close(distgrad.weights_of(restored),
+print(check_close(weights_of(restored),
                            big_batch_reference(lambda: keras.optimizers.SGD(0.1), x, y, steps=2)))
 assert int(restored_optimizer.iterations.numpy()) == 2
 

@@ -89,6 +89,7 @@ assert bn.accumulated_micro_batches.max_abs > 0.01 * bn.one_device_update_max_ab
 # as IndexedSlices, or densified, and the weights differ — but only on the repeated row:
 
 # %%
+from distgrad.lab.compare import check_close
 from distgrad.pitfalls import sparse_duplicates
 
 adam_sparse = sparse_duplicates.reproduce(tokens=(1, 1, 2))
@@ -183,7 +184,7 @@ from distgrad import resume
 
 report = resume.resume_in_fresh_processes(tempfile.mkdtemp(prefix="distgrad-resume-"), replicas=R)
 print({k: v for k, v in report.items() if k != "weights"})
-print("resumed vs uninterrupted:", distgrad.check_close(report["weights"], resume.uninterrupted_weights(strategy)))
+print("resumed vs uninterrupted:", check_close(report["weights"], resume.uninterrupted_weights(strategy)))
 assert (report["rest"]["restored_iterations"], report["rest"]["restored_micro_steps"]) == (1, 6)
 assert (report["rest"]["iterations"], report["rest"]["micro_steps"]) == (2, 8)
 

@@ -6,29 +6,30 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distgrad.accumulator import (
+from distgrad.accumulator import GradientAccumulator
+from distgrad.lab.accumulation import (
     AccumulatedTrainer,
-    GradientAccumulator,
-    dense_gradient_reference,
-    embedding_model,
     full_batch_loss,
     plan_micro_batches,
-    token_data,
     train_accumulated,
     update_loss,
 )
-from distgrad.equivalence import (
+from distgrad.lab.compare import (
     OPTIMIZERS,
-    big_batch_reference,
     check_close,
     check_not_close,
-    per_example_squared_error,
-    regression_data,
-    tiny_model,
     update_ratio,
     updates,
     weights_of,
 )
+from distgrad.lab.data import (
+    embedding_model,
+    per_example_squared_error,
+    regression_data,
+    tiny_model,
+    token_data,
+)
+from distgrad.lab.recipes import big_batch_reference, dense_gradient_reference
 from distgrad.pitfalls import lazy_slot_creation
 
 EXAMPLES = 16

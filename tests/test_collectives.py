@@ -2,9 +2,9 @@ import keras
 import pytest
 import tensorflow as tf
 
-from distgrad.collectives import CollectiveCount, count_collectives, graph_op_types
-from distgrad.equivalence import regression_data
-from distgrad.sync import make_replica_step, run_steps
+from distgrad.lab.data import regression_data
+from distgrad.lab.graph import CollectiveCount, count_collectives, graph_op_types
+from distgrad.lab.recipes import make_replica_step, run_steps
 
 SGD = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
 

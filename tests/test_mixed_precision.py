@@ -11,7 +11,7 @@ import functools
 import keras
 import pytest
 
-from distgrad.equivalence import OPTIMIZERS, check_close, check_not_close
+from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls.lso_first_replica_finite import AllReplicasFiniteLossScaleOptimizer
 

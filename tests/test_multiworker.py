@@ -85,13 +85,9 @@ def test_the_chief_checkpoint_restores_the_one_device_weights(tmp_path):
     import keras
     import tensorflow as tf
 
-    from distgrad.equivalence import (
-        big_batch_reference,
-        check_close,
-        regression_data,
-        tiny_model,
-        weights_of,
-    )
+    from distgrad.lab.compare import check_close, weights_of
+    from distgrad.lab.data import regression_data, tiny_model
+    from distgrad.lab.recipes import big_batch_reference
 
     chief, other = run_workers(f"{EXPERIMENTS}:checkpoint_from_chief", 2, timeout=180,
                                directory=str(tmp_path), steps=2)

@@ -9,17 +9,17 @@ import pytest
 import tensorflow as tf
 
 import distgrad
-from distgrad.collectives import count_collectives
-from distgrad.equivalence import (
+from distgrad.lab.compare import (
+    OPTIMIZERS,
     check_close,
     check_not_close,
-    regression_data,
-    tiny_model,
+    mirrored_copies_agree,
     weights_of,
 )
-from distgrad.optimizer import AccumulatingOptimizer, custom_loop_run, fit_run
-from distgrad.pitfalls.mask_trick import OPTIMIZERS, fit_step_placement
-from distgrad.sync import mirrored_copies_agree
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.graph import count_collectives, fit_step_placement
+from distgrad.lab.recipes import custom_loop_run, fit_run, make_replica_step
+from distgrad.optimizer import AccumulatingOptimizer
 
 STEPS, MICRO_BATCH, UPDATES = 4, 4, 3
 
@@ -53,7 +53,7 @@ def test_accumulated_fit_equals_big_batch_fit(any_strategy, name):
     run = accumulated_fit(any_strategy, OPTIMIZERS[name])
     check_close(run.final, big_batch(name))
     assert run.updates == UPDATES
-    assert run.micro_steps == UPDATES * STEPS
+    assert run.total_micro_steps == UPDATES * STEPS
     assert mirrored_copies_agree(run.model.trainable_variables)
 
 
@@ -62,7 +62,7 @@ def test_adam_accumulated_equals_big_batch_for_other_step_counts_on_two_replicas
         strategy2, steps):
     run = accumulated_fit(strategy2, OPTIMIZERS["adam"], steps=steps)
     check_close(run.final, big_batch("adam", steps=steps))
-    assert (run.updates, run.micro_steps) == (UPDATES, UPDATES * steps)
+    assert (run.updates, run.total_micro_steps) == (UPDATES, UPDATES * steps)
 
 
 def test_custom_loop_apply_gradients_inside_strategy_run_equals_big_batch(strategy2):
@@ -70,7 +70,7 @@ def test_custom_loop_apply_gradients_inside_strategy_run_equals_big_batch(strate
     run = custom_loop_run(strategy2, lambda: AccumulatingOptimizer(OPTIMIZERS["adam"](), STEPS),
                           x, y, MICRO_BATCH)
     check_close(run.final, big_batch("adam"))
-    assert (run.updates, run.micro_steps) == (UPDATES, UPDATES * STEPS)
+    assert (run.updates, run.total_micro_steps) == (UPDATES, UPDATES * STEPS)
 
 
 def test_learning_rate_schedule_sees_updates_not_micro_steps(strategy2):
@@ -93,7 +93,7 @@ def test_accumulators_are_replica_local_float32_on_read_sums(strategy2):
     # 6 micro-steps with steps=4: one update, then 2 micro-batches accumulated
     run = fit_run(strategy2, lambda: AccumulatingOptimizer(OPTIMIZERS["sgd"](), STEPS),
                   x[:6 * MICRO_BATCH], y[:6 * MICRO_BATCH], MICRO_BATCH)
-    assert (run.updates, run.micro_steps) == (1, 6)
+    assert (run.updates, run.total_micro_steps) == (1, 6)
     for accumulator in run.optimizer.accumulators:
         local = accumulator.value
         assert isinstance(local, tf.distribute.DistributedValues)
@@ -127,7 +127,7 @@ def test_custom_loop_step_counts_one_all_reduce_like_a_plain_step(strategy2):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH)
     batch = next(iter(strategy2.experimental_distribute_dataset(dataset)))
     step = tf.function(lambda b: strategy2.run(
-        distgrad.make_replica_step(MICRO_BATCH), args=(run.model, run.optimizer, *b)))
+        make_replica_step(MICRO_BATCH), args=(run.model, run.optimizer, *b)))
     with strategy2.scope():
         assert count_collectives(step, batch).all_reduces == 1
 
@@ -157,7 +157,7 @@ def test_clipping_acts_on_the_accumulated_all_reduced_gradient(strategy2, option
 def test_weight_decay_applies_once_per_update(inner):
     # Zero gradients isolate the decoupled weight decay: w <- w * (1 - lr * wd).
     model = tiny_model()
-    optimizer = AccumulatingOptimizer(inner(), steps=3)
+    optimizer = AccumulatingOptimizer(inner(), accumulation_steps=3)
     variables = model.trainable_variables
     zeros = [(tf.zeros_like(v), v) for v in variables]
     before = weights_of(model)
@@ -192,8 +192,8 @@ def test_model_save_mid_accumulation_then_load_and_continue_equals_uninterrupted
             loaded = keras.models.load_model(path)
         optimizer = loaded.optimizer
         assert isinstance(optimizer, AccumulatingOptimizer)
-        assert (optimizer.steps, type(optimizer.inner_optimizer)) == (STEPS, keras.optimizers.Adam)
-        assert (int(optimizer.iterations.numpy()), int(optimizer.micro_steps.numpy())) == (1, 6)
+        assert (optimizer.accumulation_steps, type(optimizer.inner_optimizer)) == (STEPS, keras.optimizers.Adam)
+        assert (int(optimizer.iterations.numpy()), int(optimizer.total_micro_steps.numpy())) == (1, 6)
         check_close([a.numpy() for a in optimizer.accumulators],
                     [a.numpy() for a in run.optimizer.accumulators])
         return loaded
@@ -214,7 +214,7 @@ def test_tf_train_checkpoint_mid_accumulation_restores_under_another_replica_cou
         model.compile(optimizer=optimizer, loss="mse")
         optimizer.build(model.trainable_variables)
         tf.train.Checkpoint(model=model, optimizer=optimizer).read(path).assert_consumed()
-        assert (int(optimizer.iterations.numpy()), int(optimizer.micro_steps.numpy())) == (1, 6)
+        assert (int(optimizer.iterations.numpy()), int(optimizer.total_micro_steps.numpy())) == (1, 6)
         return model
 
     model = _partial_then_rest(strategy2, make, checkpoint_and_restore_without_strategy)
@@ -222,15 +222,27 @@ def test_tf_train_checkpoint_mid_accumulation_restores_under_another_replica_cou
 
 
 def test_get_config_round_trip_restores_steps_inner_optimizer_and_clipping():
-    optimizer = AccumulatingOptimizer(keras.optimizers.Adam(0.01, global_clipnorm=1.5), steps=3)
+    inner = keras.optimizers.Adam(0.01, global_clipnorm=1.5)
+    optimizer = AccumulatingOptimizer(inner, accumulation_steps=3)
     config = keras.saving.serialize_keras_object(optimizer)
     assert config["registered_name"] == "distgrad>AccumulatingOptimizer"
+    assert set(config["config"]) == {"name", "inner_optimizer", "accumulation_steps"}
     restored = keras.saving.deserialize_keras_object(config)
     assert isinstance(restored, AccumulatingOptimizer)
-    assert restored.steps == 3
+    assert restored.accumulation_steps == 3
     assert restored.global_clipnorm == 1.5 and restored.inner_optimizer.global_clipnorm is None
     assert float(restored.learning_rate.numpy()) == pytest.approx(0.01)
     assert restored.get_config() == optimizer.get_config()
+
+
+def test_configs_saved_by_distgrad_0_1_still_load():
+    config = keras.saving.serialize_keras_object(
+        AccumulatingOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), 4))
+    inner = config["config"].pop("inner_optimizer")
+    config["config"].update(optimizer=inner, steps=config["config"].pop("accumulation_steps"))
+    restored = keras.saving.deserialize_keras_object(config)
+    assert restored.accumulation_steps == 4
+    assert restored.inner_optimizer.momentum == 0.9
 
 
 def _mixed_float16_model(strategy, optimizer):
@@ -261,7 +273,7 @@ def test_loss_scale_optimizer_around_it_counts_updates_in_fit_on_two_replicas(st
     model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
     accumulating = model.optimizer.inner_optimizer
     assert float(model.optimizer.dynamic_scale.numpy()) == 1.0  # nothing was skipped
-    assert int(accumulating.micro_steps.numpy()) == UPDATES * STEPS
+    assert int(accumulating.total_micro_steps.numpy()) == UPDATES * STEPS
     assert int(model.optimizer.iterations.numpy()) == UPDATES
     assert all(np.isfinite(w).all() for w in weights_of(model))
     assert mirrored_copies_agree(model.trainable_variables)

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from distgrad.equivalence import check_close, check_not_close, weight_diff
+from distgrad.lab.compare import check_close, check_not_close, weight_diff
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
 

@@ -5,10 +5,10 @@ import pytest
 import tensorflow as tf
 
 from distgrad.callpath import record_sync_path, summarize_path
-from distgrad.equivalence import OPTIMIZERS_WITH_WEIGHT_DECAY as OPTIMIZERS
-from distgrad.equivalence import big_batch_reference, check_close, regression_data, tiny_model
+from distgrad.lab.compare import OPTIMIZERS, check_close
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.recipes import big_batch_reference, make_replica_step, replica_loss, run_steps
 from distgrad.pitfalls import clip_before_sync, double_sum, per_replica_mean
-from distgrad.sync import make_replica_step, replica_loss, run_steps
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distgrad.equivalence import OPTIMIZERS, check_close, regression_data, tiny_model, weights_of
+from distgrad.lab.compare import OPTIMIZERS, check_close, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.graph import fit_step_placement, placement_of_graph
 from distgrad.memory import (
     StepMemory,
     allocator_counts,
@@ -23,8 +25,6 @@ from distgrad.train_step import (
     MicroBatching,
     MicroBatchingModel,
     check_micro_batches,
-    fit_step_graph,
-    step_collectives,
     with_micro_batches,
 )
 
@@ -165,7 +165,7 @@ def classifier(micro_batches=None):
                                  kernel_initializer=keras.initializers.GlorotUniform(seed=1))(h)
     if micro_batches is None:
         return keras.Model(inputs, outputs)
-    return MicroBatchingModel(inputs, outputs, micro_batches=micro_batches)
+    return MicroBatchingModel(inputs, outputs, accumulation_steps=micro_batches)
 
 
 def test_question_setup_softmax_crossentropy_and_accuracy_match_plain_fit(strategy2):
@@ -195,9 +195,9 @@ def test_fit_step_has_one_all_reduce_and_none_inside_the_micro_batch_loop(strate
     x, y = regression_data(BATCH)
     micro, _ = fit(strategy2, OPTIMIZERS["adam"], micro_batches=4, epochs=1, x=x, y=y)
     plain, _ = fit(strategy2, OPTIMIZERS["adam"], epochs=1, x=x, y=y)
-    counts = step_collectives(fit_step_graph(micro, x, y, BATCH), replicas=2)
+    counts = fit_step_placement(micro, x, y, BATCH)
     assert (counts.all_reduces, counts.in_while_bodies, counts.while_loops) == (1, 0, 1)
-    plain_counts = step_collectives(fit_step_graph(plain, x, y, BATCH), replicas=2)
+    plain_counts = fit_step_placement(plain, x, y, BATCH)
     assert (plain_counts.all_reduces, plain_counts.while_loops) == (1, 0)
 
 
@@ -212,7 +212,7 @@ def test_step_collectives_finds_an_all_reduce_inside_a_while_body():
             return i + 1, total + reduced
         return tf.while_loop(lambda i, _: i < 3, body, [tf.constant(0), tf.constant([0.0])])
 
-    counts = step_collectives(step.get_concrete_function().graph.as_graph_def(), replicas=1)
+    counts = placement_of_graph(step.get_concrete_function().graph.as_graph_def(), 1)
     assert (counts.all_reduces, counts.in_while_bodies, counts.while_loops) == (1, 1, 1)
 
 
@@ -321,7 +321,7 @@ def test_the_all_replicas_finite_wrapper_of_lesson_04_composes_with_micro_batchi
         initial = weights_of(mixed_model())
     check_close(weights_of(model), initial, rtol=0, atol=0)  # skipped
     assert float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
-    counts = step_collectives(fit_step_graph(model, x, y, BATCH), replicas=2)
+    counts = fit_step_placement(model, x, y, BATCH)
     assert (counts.all_reduces, counts.in_while_bodies) == (1, 0)
 
 
@@ -333,7 +333,7 @@ def test_ragged_last_batch_raises_naming_the_fix(strategy):
     with pytest.raises(tf.errors.InvalidArgumentError) as info:
         fit(strategy, OPTIMIZERS["sgd"], micro_batches=4, epochs=1, x=x, y=y)
     message = str(info.value)
-    assert f"not divisible by micro_batches=4 ({strategy.num_replicas_in_sync} replica(s))" in message
+    assert f"not divisible by accumulation_steps=4 ({strategy.num_replicas_in_sync} replica(s))" in message
     assert "drop_remainder=True" in message
 
 
@@ -362,17 +362,17 @@ def test_static_batch_that_does_not_split_raises_at_trace_time(strategy2):
         model = with_micro_batches(tiny_model(), 8)
         model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"global batch of 12 examples cannot be split into 2 "
-                                         r"replica\(s\) x micro_batches=8.*multiple of "
-                                         r"micro_batches x replicas = 16 \(e.g. 16\)"):
+                                         r"replica\(s\) x accumulation_steps=8.*multiple of "
+                                         r"accumulation_steps x replicas = 16 \(e.g. 16\)"):
         model.fit(dataset, shuffle=False, verbose=0)
 
 
 def test_check_micro_batches_returns_the_slice_size_or_names_batch_sizes_that_work():
     assert check_micro_batches(16, 4, 2) == 2
     assert check_micro_batches(16, 1, 1) == 16
-    with pytest.raises(ValueError, match=r"multiple of micro_batches x replicas = 8 \(e.g. 8 or 16\)"):
+    with pytest.raises(ValueError, match=r"multiple of accumulation_steps x replicas = 8 \(e.g. 8 or 16\)"):
         check_micro_batches(12, 4, 2)
-    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="accumulation_steps must be an integer >= 1, got 0"):
         check_micro_batches(16, 0)
     with pytest.raises(ValueError, match="replicas must be an integer >= 1, got 1.5"):
         check_micro_batches(16, 2, 1.5)
@@ -382,12 +382,12 @@ def test_micro_batches_is_validated_and_changing_it_drops_the_traced_step(strate
     x, y = regression_data(BATCH)
     model, _ = fit(strategy1, OPTIMIZERS["sgd"], micro_batches=2, epochs=1, x=x, y=y)
     assert model.train_function is not None
-    model.micro_batches = 4
+    model.accumulation_steps = 4
     assert model.train_function is None
-    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1, got True"):
-        model.micro_batches = True
-    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
-        MicroBatchingModel(model.inputs, model.outputs, micro_batches=0)
+    with pytest.raises(ValueError, match="accumulation_steps must be an integer >= 1, got True"):
+        model.accumulation_steps = True
+    with pytest.raises(ValueError, match="accumulation_steps must be an integer >= 1"):
+        MicroBatchingModel(model.inputs, model.outputs, accumulation_steps=0)
 
 
 def test_with_micro_batches_shares_weights_and_rejects_subclassed_models():

@@ -23,8 +23,8 @@ PROBE = textwrap.dedent(
     strategy = distgrad.make_strategy(2)
     import keras, tensorflow as tf
     from tensorflow.python.distribute import distribute_lib
-    from distgrad.equivalence import regression_data
-    from distgrad.sync import make_replica_step
+    from distgrad.lab.data import regression_data
+    from distgrad.lab.recipes import make_replica_step
 
     x, y = regression_data(16)
     with strategy.scope():

@@ -134,19 +134,6 @@ def test_environment_report_is_read_from_the_executed_lesson(tmp_path):
     assert hooks.environment_report_of(tmp_path / "none.ipynb") is None
 
 
-def test_every_module_of_the_package_reaches_the_api_reference():
-    hooks._state.update(package=ROOT / "src" / "distgrad")
-    api = (DOCS / "api.md").read_text(encoding="utf-8")
-    completed = hooks._complete_api_reference(api)
-    for module in hooks.public_modules(ROOT / "src" / "distgrad"):
-        assert f"::: {module}" in completed
-    assert "distgrad.devices" in hooks.public_modules(ROOT / "src" / "distgrad")
-    assert "distgrad.pitfalls" in hooks.public_modules(ROOT / "src" / "distgrad")
-    assert not any(
-        m.startswith("distgrad._") for m in hooks.public_modules(ROOT / "src" / "distgrad")
-    )
-
-
 def test_every_diagram_is_used_somewhere():
     used = "".join(p.read_text(encoding="utf-8") for p in DOCS.rglob("*.md"))
     used += "".join(p.read_text(encoding="utf-8") for p in (ROOT / "notebooks").glob("*.py"))

@@ -167,9 +167,7 @@ def test_api_reference_renders_docstrings(page):
     text = page.locator("article").inner_text()
     for name in ("distgrad.devices", "make_strategy", "distgrad.pitfalls", "CapturedError"):
         assert name in text
-    modules = sorted(p.stem for p in (ROOT / "src" / "distgrad").glob("[!_]*.py"))
-    for module in modules:
-        assert page.locator(f"[id='distgrad.{module}']").count() == 1, module
+    # That every module and reference class has its heading: test_site_completeness.py.
 
 
 def test_screenshots_are_kept(screenshots):

@@ -3,8 +3,8 @@
 A lesson page is an executed notebook rendered by mkdocs-jupyter. Its markdown cells go
 through nbconvert's mistune renderer (`nbconvert.filters.markdown_mistune`), not
 Python-Markdown: none of the site's `markdown_extensions` apply to them, and MkDocs
-neither checks nor rewrites their links. These hooks close that gap and keep the site
-consistent with the repository:
+neither checks nor rewrites their links. These hooks close that gap and generate what
+the pages show from the repository:
 
 * **Links in lessons.** A lesson links other pages as files relative to `docs/lessons/`
   (`../questions.md#q1`, `../call-path.md`, `02_x.ipynb`); those links are rewritten to
@@ -19,10 +19,10 @@ consistent with the repository:
   `docs/diagrams/NAME.mmd`; the fallback (usually a link) stays as its caption.
 * **Versions.** `<div class="executed-versions"></div>` in `docs/versions.md` becomes a
   table of the environment report that each executed lesson printed.
-* **Completeness.** Every lesson copied into `docs/lessons/` must be in the nav, be
-  linked from the home page's learning path, have its `.py`/`.ipynb` pair in
-  `notebooks/`, and carry outputs; every module of `src/distgrad` not listed in
-  `docs/api.md` is appended to it, so the API reference never misses one.
+
+What a lesson or a module must add by hand (a nav line, a learning-path row, an entry in
+`docs/api.md`) is not checked here but by `tests_site/test_site_completeness.py`: the
+hooks only generate page content.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ _DIAGRAM = re.compile(
     r'<div class="diagram" data-diagram="(?P<name>[\w-]+)"\s*>(?P<inner>.*?)</div>', re.DOTALL
 )
 _EXECUTED_VERSIONS = '<div class="executed-versions"></div>'
-_API_DIRECTIVE = re.compile(r"^:::\s+(distgrad(?:\.\w+)*)\s*$", re.MULTILINE)
 
 _state: dict = {}
 
@@ -76,94 +75,16 @@ def on_config(config):
         root=root,
         docs=Path(config.docs_dir),
         notebooks=root / "notebooks",
-        package=root / "src" / "distgrad",
         lesson_pages=[],  # src_uri of lessons in nav order
         sources_to_copy={},  # abs dest path -> abs source path
     )
     return config
 
 
-def on_files(files, config):
-    for file in files:
-        if not _is_lesson(file):
-            continue
-        stem = _stem(file)
-        for suffix in (".py", ".ipynb"):
-            if not (_state["notebooks"] / f"{stem}{suffix}").is_file():
-                log.warning(
-                    "docs/%s has no paired notebooks/%s%s: lessons are executed copies of "
-                    "the notebooks/ pair (make lessons copies them).",
-                    file.src_uri,
-                    stem,
-                    suffix,
-                )
-        if not _has_outputs(Path(file.abs_src_path)):
-            log.warning(
-                "docs/%s has no outputs: run `make lessons` to execute it before building.",
-                file.src_uri,
-            )
-    return files
-
-
-def _has_outputs(notebook: Path) -> bool:
-    cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
-    return any(c.get("outputs") for c in cells if c.get("cell_type") == "code")
-
-
 def on_nav(nav, config, files):
-    in_nav = [p.file.src_uri for p in nav.pages if _is_lesson(p.file)]
-    _state["lesson_pages"] = in_nav
-    for file in files:
-        if _is_lesson(file) and file.src_uri not in in_nav:
-            log.warning(
-                "%s is not in the nav. Add it under `Lessons:` in mkdocs.yml, e.g.\n"
-                "      - %s · <title>: %s",
-                file.src_uri,
-                _stem(file)[:2],
-                file.src_uri,
-            )
+    # The versions table lists the lessons in nav order.
+    _state["lesson_pages"] = [p.file.src_uri for p in nav.pages if _is_lesson(p.file)]
     return nav
-
-
-# --------------------------------------------------------------------- markdown pages
-
-
-def on_page_markdown(markdown, page, config, files):
-    if page.file.src_uri == "index.md":
-        for src_uri in _state["lesson_pages"]:
-            if f"({src_uri}" not in markdown:
-                log.warning(
-                    "The learning path in docs/index.md does not link %s: add a row "
-                    "`| [NN · Title](%s) | [Qn](questions.md#qn) | what the reader learns |`.",
-                    src_uri,
-                    src_uri,
-                )
-    if page.file.src_uri == "api.md":
-        markdown = _complete_api_reference(markdown)
-    return markdown
-
-
-def public_modules(package: Path) -> list[str]:
-    """`distgrad.X` for every top-level module and subpackage of `package` (no `_x`)."""
-    names = []
-    for path in sorted(package.iterdir()):
-        if path.name.startswith("_"):
-            continue
-        if path.suffix == ".py":
-            names.append(f"distgrad.{path.stem}")
-        elif path.is_dir() and (path / "__init__.py").is_file():
-            names.append(f"distgrad.{path.name}")
-    return names
-
-
-def _complete_api_reference(markdown: str) -> str:
-    listed = set(_API_DIRECTIVE.findall(markdown))
-    missing = [m for m in public_modules(_state["package"]) if m not in listed]
-    if not missing:
-        return markdown
-    log.info("api.md: appending modules not listed there: %s", ", ".join(missing))
-    sections = "\n\n".join(f"::: {name}" for name in missing)
-    return f"{markdown}\n\n## More modules\n\n{sections}\n"
 
 
 # ------------------------------------------------------------------------ rendered HTML

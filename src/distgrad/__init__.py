@@ -1,54 +1,48 @@
-"""distgrad: how gradients move through tf.distribute, with tested reference code."""
+"""distgrad: gradient accumulation under `tf.distribute` that equals one big-batch step.
 
-from distgrad.accumulator import GradientAccumulator, plan_micro_batches, train_accumulated
-from distgrad.callpath import record_sync_path, summarize_path
-from distgrad.collectives import CollectiveCount, count_collectives
-from distgrad.devices import environment_report, make_strategy
-from distgrad.equivalence import (
-    big_batch_reference,
-    check_close,
-    check_not_close,
-    regression_data,
-    tiny_model,
-    weight_diff,
-    weights_of,
-)
-from distgrad.legacy import run_legacy
-from distgrad.optimizer import AccumulatingOptimizer
-from distgrad.sync import clip_by_global_norm_across_replicas, make_replica_step, run_steps
-from distgrad.train_step import (
-    MicroBatching,
-    MicroBatchingModel,
-    check_micro_batches,
-    with_micro_batches,
-)
+The reference classes, each in a file that imports only TensorFlow, Keras, NumPy and
+the standard library (copy one into your project and it works alone):
 
-__version__ = "0.1.0"
+* `AccumulatingOptimizer` (`distgrad/optimizer.py`): a Keras 3 optimizer wrapper, for
+  `model.fit` and custom loops;
+* `GradientAccumulator` (`distgrad/accumulator.py`): replica-local buffers for a custom
+  loop, one all-reduce per update;
+* `MicroBatching`, `MicroBatchingModel`, `with_micro_batches` (`distgrad/train_step.py`):
+  k micro-batches inside one `fit` step.
 
-__all__ = [
-    "GradientAccumulator",
-    "plan_micro_batches",
-    "train_accumulated",
-    "AccumulatingOptimizer",
-    "MicroBatching",
-    "MicroBatchingModel",
-    "check_micro_batches",
-    "run_legacy",
-    "with_micro_batches",
-    "CollectiveCount",
-    "big_batch_reference",
-    "check_close",
-    "check_not_close",
-    "clip_by_global_norm_across_replicas",
-    "count_collectives",
-    "environment_report",
-    "make_replica_step",
-    "make_strategy",
-    "record_sync_path",
-    "regression_data",
-    "run_steps",
-    "summarize_path",
-    "tiny_model",
-    "weight_diff",
-    "weights_of",
-]
+Names are imported lazily, so `import distgrad` loads neither TensorFlow nor the lab.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "AccumulatingOptimizer": "distgrad.optimizer",
+    "GradientAccumulator": "distgrad.accumulator",
+    "MicroBatching": "distgrad.train_step",
+    "MicroBatchingModel": "distgrad.train_step",
+    "with_micro_batches": "distgrad.train_step",
+    "check_micro_batches": "distgrad.train_step",
+    "AllReplicasFiniteLossScaleOptimizer": "distgrad.mixed_precision",
+    "clip_by_global_norm_across_replicas": "distgrad.clipping",
+    "make_strategy": "distgrad.devices",
+    "environment_report": "distgrad.devices",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distgrad' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

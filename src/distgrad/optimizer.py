@@ -1,107 +1,25 @@
 """`AccumulatingOptimizer`: gradient accumulation as a Keras 3 optimizer wrapper.
 
-`model.compile(optimizer=AccumulatingOptimizer(keras.optimizers.Adam(1e-3), steps=4))`
-makes every `steps` calls of `apply_gradients` one update of the wrapped ("inner")
-optimizer with the *mean* of the `steps` micro-batch gradients. It works in
-`model.fit` under `MirroredStrategy`, without a strategy, and in custom loops
-(`optimizer.apply_gradients` inside `strategy.run`).
+    model.compile(optimizer=AccumulatingOptimizer(keras.optimizers.Adam(1e-3),
+                                                  accumulation_steps=4), loss=...)
 
-Why a wrapper, and why this shape
----------------------------------
-"Apply every k-th step" needs a data-dependent branch, and the branch contains the
-inner optimizer's sync points: `TFOptimizer._backend_update_step` all-reduces the
-gradients (`ReplicaContext.all_reduce` -> `merge_call`) and writes the mirrored
-variables through another `merge_call` (`keras/src/backend/tensorflow/optimizer.py`).
-Under `MirroredStrategy` a `merge_call` issued inside a `tf.cond` traced in *replica*
-context raises `RuntimeError: merge_call called while defining a new graph or a
-tf.function` (`tensorflow/python/distribute/mirrored_run.py`, `_MirroredReplicaContext.
-_merge_call`: the cond branch is a separate graph, the merge function runs in the
-main thread). That is what the hand-patched `apply_gradients` of
-`distgrad.pitfalls.cond_merge_call` hits, and what Keras' own
-`gradient_accumulation_steps` hits in `model.fit` (the `ops.cond` in
-`BaseOptimizer._backend_apply_gradients`; keras-team/keras#20582).
+This file imports only TensorFlow and Keras: copy it into a project and use it alone.
 
-The wrapper uses the shape of Keras' `LossScaleOptimizer._tf_apply`
-(`keras/src/optimizers/loss_scale_optimizer.py`), whose comment reads: "We must call
-this cond() in a cross-replica context. DistributionStrategy does not support having
-a cond in a replica context with a branch that calls `merge_call`, and
-self._optimizer.apply_gradients calls `merge_call`." So `apply`
-
-1. adds this replica's gradients to *replica-local* float32 accumulators (ON_READ
-   variables, SUM aggregation): no communication at all;
-2. `merge_call`s once into cross-replica context, counts the micro-step there and
-   evaluates "is an update due?" *there*, and `tf.cond`s in cross-replica context;
-3. the true branch goes back to the replicas with
-   `distribution.extended.call_for_each_replica(...)`, where the inner optimizer's
-   ordinary `apply` runs on `accumulated / steps`: its one SUM all-reduce is the only
-   gradient communication of the whole cycle.
-
-Strategies that can run without `merge_call` (`tf.__internal__.distribute.
-strategy_supports_no_merge_call()`: no strategy at all, or MirroredStrategy /
-MultiWorkerMirroredStrategy inside an XLA-compiled function on GPUs) take a plain
-`tf.cond` in replica context instead: every replica evaluates the same predicate.
-
-Invariants
-----------
-* After `n * steps` calls the model equals `n` updates of the inner optimizer with
-  the mean gradient of each group of `steps` micro-batches. With Keras' loss
-  scaling (per-replica loss / number of replicas) that is exactly `n` steps on
-  batches `steps` times larger.
-* `iterations` is the inner optimizer's counter: it counts *updates*, so learning
-  rate schedules, Adam's bias correction and EMA see updates. `micro_steps` counts
-  `apply` calls.
-* One gradient all-reduce per update (none on the accumulate-only micro-steps).
-  When clipping is configured, one more (see below).
-* Clipping and weight decay act on the accumulated, summed gradient: the wrapper
-  takes `clipnorm` / `global_clipnorm` / `clipvalue` off the inner optimizer (which
-  would clip each replica's partial gradient before its all-reduce, lesson 01's
-  pitfall) and clips the all-reduced mean itself; the inner optimizer's weight decay
-  runs once per inner `apply`, i.e. once per update.
-* All state is checkpointable: `micro_steps` and the accumulators are optimizer
-  variables (`model.save` / `keras.models.load_model`, `tf.train.Checkpoint`).
-  A checkpoint holds the accumulators' sum over replicas, so it does not depend on
-  the replica count.
-
-Mixed precision (lesson 04): under `mixed_float16`, `model.compile` wraps this
-optimizer in a `LossScaleOptimizer`, whose `_tf_apply` checks finiteness and calls
-our `apply` with unscaled gradients through `call_for_each_replica` -- the same shape
-as ours, so the two nest (`loss_scale_factor` and `scale_loss` are the inner
-optimizer's). Each micro-batch is unscaled with *its own* loss scale before it is
-added, so a scale change inside a cycle is harmless, and the accumulators are float32
-whatever the variables' dtype.
-
-Non-finite gradients never reach the weights:
-
-* A micro-batch the loss-scale optimizer sees as non-finite is skipped before it
-  reaches the accumulators: not added, not counted in `micro_steps`, `iterations`
-  unchanged, loss scale halved. The cycle still waits for `steps` good micro-batches.
-* But Keras' `LossScaleOptimizer._tf_apply` takes `finite` from replica 0 only
-  (its comment assumes all-reduced gradients; in Keras 3 they are per-replica
-  partial gradients, `distgrad.pitfalls.lso_first_replica_finite`), so an overflow
-  on another replica is passed on. Therefore, when an update is due, this optimizer
-  checks every replica's accumulators (in cross-replica context: reading the
-  per-replica values, no collective; on the no-merge-call path one MIN all-reduce of
-  a flag). If any is non-finite the cycle is dropped: no update, accumulators reset,
-  `iterations` unchanged (`micro_steps` has counted the cycle's micro-batches). The
-  loss scale is not lowered: the loss-scale optimizer never learned of the overflow.
-
-Not covered: `model.compile(steps_per_execution > 1)` under MirroredStrategy fails
-in Keras itself on TF 2.21 / Keras 3.15.1 (`InvalidArgumentError: You must feed a
-value for placeholder tensor`, with or without this wrapper; cf. keras-team/keras#19246).
+Why the shape: "update every k-th call" needs a data-dependent branch, and the branch
+holds the inner optimizer's sync points (its gradient all-reduce and its writes to
+mirrored variables both go through `ReplicaContext.merge_call`). Under MirroredStrategy
+a `merge_call` inside a `tf.cond` traced in *replica* context raises `RuntimeError:
+merge_call called while defining a new graph or a tf.function` (keras-team/keras#20582
+is Keras' own `gradient_accumulation_steps` hitting it in `fit`). So the wrapper takes
+the shape of Keras' `LossScaleOptimizer._tf_apply`: accumulate locally, `merge_call`
+once, branch in cross-replica context, and go back to the replicas with
+`call_for_each_replica` for the inner update (see `_cross_replica_step`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import keras
-import numpy as np
 import tensorflow as tf
-from keras.src import backend
-from keras.src.saving import serialization_lib
-
-from distgrad.equivalence import tiny_model, weights_of
-from distgrad.sync import make_replica_step
 
 CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 
@@ -115,89 +33,112 @@ def _unused_learning_rate():
 def _describe(strategy) -> str:
     if strategy is None:
         return "no strategy"
-    name = type(strategy).__name__
-    if name == "_DefaultDistributionStrategy":
+    if type(strategy).__name__ == "_DefaultDistributionStrategy":
         return "no strategy (the default strategy)"
-    return f"{name} with {strategy.num_replicas_in_sync} replica(s)"
+    return f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)"
 
 
-def _check_inner(optimizer) -> None:
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        if getattr(optimizer, "gradient_accumulation_steps", None):
+def _accumulator_dtype(dtype) -> str:
+    # Summing k float16/bfloat16 gradients in their own dtype loses the small ones.
+    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+
+
+def _check_inner(inner_optimizer) -> None:
+    if isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        if getattr(inner_optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The inner optimizer has gradient_accumulation_steps="
-                f"{optimizer.gradient_accumulation_steps}; AccumulatingOptimizer does the "
-                "accumulation. Create the inner optimizer without "
-                "gradient_accumulation_steps and pass steps= to AccumulatingOptimizer."
-            )
+                f"{inner_optimizer.gradient_accumulation_steps}; AccumulatingOptimizer does "
+                "the accumulation. Create the inner optimizer without "
+                "gradient_accumulation_steps and pass accumulation_steps= to "
+                "AccumulatingOptimizer.")
         return
-    if isinstance(optimizer, str):
+    if isinstance(inner_optimizer, str):
         raise TypeError(
             f"AccumulatingOptimizer wraps an optimizer instance, got the string "
-            f"{optimizer!r}. Pass keras.optimizers.get({optimizer!r}) (or e.g. "
-            "keras.optimizers.Adam(1e-3))."
-        )
-    module = type(optimizer).__module__
-    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            f"{inner_optimizer!r}. Pass keras.optimizers.get({inner_optimizer!r}) (or e.g. "
+            "keras.optimizers.Adam(1e-3)).")
+    module = type(inner_optimizer).__module__
+    if isinstance(inner_optimizer, tf.compat.v1.train.Optimizer):
         hint = ("tf.compat.v1 optimizers (tf.compat.v1.train.*) are TF1 optimizers, not "
                 "Keras 3 optimizers")
     elif module.startswith(("tf_keras", "keras.optimizers.legacy")) or ".optimizer_v2" in module:
         hint = "legacy tf-keras optimizers are not Keras 3 optimizers"
     else:
-        hint = f"{type(optimizer).__name__} (from {module}) is not a Keras 3 optimizer"
+        hint = f"{type(inner_optimizer).__name__} (from {module}) is not a Keras 3 optimizer"
     raise TypeError(
         f"AccumulatingOptimizer needs a Keras 3 optimizer (a keras.optimizers.Optimizer); "
-        f"{hint}. Use the Keras 3 equivalent, e.g. keras.optimizers.SGD / Adam / AdamW."
-    )
+        f"{hint}. Use the Keras 3 equivalent, e.g. keras.optimizers.SGD / Adam / AdamW.")
 
 
 @keras.saving.register_keras_serializable(package="distgrad")
 class AccumulatingOptimizer(keras.optimizers.Optimizer):
-    """Accumulate `steps` micro-batch gradients, then make one update of `optimizer`.
+    """Accumulate `accumulation_steps` micro-batch gradients, then update `inner_optimizer`.
+
+    Every `accumulation_steps`-th call of `apply_gradients` makes one update of the inner
+    optimizer with the *mean* of the accumulated micro-batch gradients. Works in
+    `model.fit` under `MirroredStrategy`, without a strategy, and in custom loops
+    (`optimizer.apply_gradients` inside `strategy.run`). Create it, like the model and
+    the inner optimizer, under the `strategy.scope()` it will train in.
 
     Args:
-        optimizer: the Keras 3 optimizer that makes the updates (the "inner"
-            optimizer). Its `clipnorm` / `global_clipnorm` / `clipvalue` move to the
-            wrapper, which applies them to the all-reduced accumulated gradient.
-        steps: micro-batches per update (`1` applies every call).
+        inner_optimizer: the Keras 3 optimizer that makes the updates. Its `clipnorm`,
+            `global_clipnorm` and `clipvalue` move to the wrapper, which applies them to
+            the all-reduced accumulated gradient (Keras clips each replica's partial
+            gradient before the all-reduce).
+        accumulation_steps: k, the micro-batches per update (`1` updates every call).
         name: optimizer name.
 
-    Create it, like the model, under the `strategy.scope()` it will train in.
+    State (all optimizer variables: saved by `model.save` and `tf.train.Checkpoint`):
+        total_micro_steps: micro-batches accumulated since creation (never reset);
+            `micro_steps`, its value modulo k, counts those of the current cycle. A
+            micro-batch a `LossScaleOptimizer` skips as non-finite is not counted.
+        accumulators: one replica-local (ON_READ, SUM) float32 sum per trainable
+            variable (float64 for float64 variables). A checkpoint holds their sum over
+            replicas, so it does not depend on the replica count.
+        iterations: the inner optimizer's counter: *updates*, so learning-rate
+            schedules, Adam's bias correction and EMA count updates.
+
+    Invariants:
+        * After `n * k` calls the model equals `n` inner updates with the mean gradient
+          of each group of k micro-batches: with Keras' loss scaling (per-replica loss
+          / replicas) exactly `n` steps on batches k times larger.
+        * One gradient all-reduce per update, none on accumulate-only calls (one more
+          when clipping is configured). Weight decay runs once per update.
+        * Non-finite gradients never reach the weights. When an update is due, every
+          replica's accumulators are checked (Keras' `LossScaleOptimizer` checks replica
+          0 only); if any is non-finite the cycle is dropped: no update, accumulators
+          reset, `iterations` unchanged (the cycle's micro-steps stay counted).
 
     Raises:
-        ValueError: `steps` is not an integer >= 1; the inner optimizer has its own
-            `gradient_accumulation_steps`; base-optimizer arguments (clipping, weight
-            decay, EMA, ...) are passed to the wrapper instead of the inner optimizer.
-        TypeError: `optimizer` is not a Keras 3 optimizer (a string, a
+        ValueError: `accumulation_steps` is not an integer >= 1; the inner optimizer has
+            its own `gradient_accumulation_steps`; base-optimizer arguments (clipping,
+            weight decay, EMA, ...) are given to the wrapper instead of the inner one.
+        TypeError: `inner_optimizer` is not a Keras 3 optimizer (a string, a
             `tf.compat.v1` optimizer, a legacy tf-keras optimizer).
         RuntimeError: (at `build` / `apply`) the wrapper, the inner optimizer and the
-            call are not all under the same distribution strategy; see `apply`.
+            call are not all under the same distribution strategy.
     """
 
-    def __init__(self, optimizer, steps, name=None, **kwargs):
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    def __init__(self, inner_optimizer, accumulation_steps, name=None, **kwargs):
+        if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
+                or accumulation_steps < 1):
             raise ValueError(
-                "steps must be an integer >= 1 (the number of micro-batches per update), "
-                f"got {steps!r}."
-            )
-        _check_inner(optimizer)
+                "accumulation_steps must be an integer >= 1 (the number of micro-batches "
+                f"per update), got {accumulation_steps!r}.")
+        _check_inner(inner_optimizer)
         if kwargs:
             raise ValueError(
                 f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on the "
                 "inner optimizer (clipping is then applied by the wrapper to the "
-                "accumulated, all-reduced gradient; weight decay once per update)."
-            )
+                "accumulated, all-reduced gradient; weight decay once per update).")
         super().__init__(learning_rate=_unused_learning_rate, name=name)
-        self.inner_optimizer = optimizer
-        self.steps = steps
+        self.inner_optimizer = inner_optimizer
+        self.accumulation_steps = accumulation_steps
         self._built_under = None
-        # Move clipping from the inner optimizer to the wrapper: Keras clips in
-        # `_backend_apply_gradients` *before* the all-reduce, i.e. each replica's
-        # partial gradient (distgrad.pitfalls.clip_before_sync). The wrapper clips the
-        # all-reduced mean with the same BaseOptimizer._clip_gradients code instead.
         for option in CLIP_OPTIONS:
-            setattr(self, option, getattr(optimizer, option))
-            setattr(optimizer, option, None)
+            setattr(self, option, getattr(inner_optimizer, option))
+            setattr(inner_optimizer, option, None)
 
     # -- the inner optimizer's view of time and learning rate ---------------------
 
@@ -207,9 +148,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     @property
-    def micro_steps(self):
-        """Number of `apply` calls (micro-batches) so far, a variable."""
+    def total_micro_steps(self):
+        """Micro-batches accumulated since creation, a variable (never reset)."""
+        # BaseOptimizer's own `iterations` variable, reused: it already exists,
+        # is checkpointed, and is updated with ONLY_FIRST_REPLICA aggregation.
         return self._iterations
+
+    @property
+    def micro_steps(self):
+        """Micro-batches accumulated in the current cycle, `0 <= n < k` (a tensor)."""
+        return tf.math.floormod(self._iterations.value, self.accumulation_steps)
 
     @property
     def learning_rate(self):
@@ -243,50 +191,46 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     @property
     def accumulators(self):
-        """The replica-local float32 gradient sums, one per trainable variable."""
+        """The replica-local gradient sums, one per trainable variable."""
         return list(self._accumulators)
 
     # -- build ---------------------------------------------------------------------
 
     def build(self, var_list):
-        """Create `micro_steps`' companions: one ON_READ float32 accumulator per variable.
+        """Create one accumulator per variable and build the inner optimizer.
 
-        Also builds the inner optimizer (unless already built). Must run under the
-        strategy the wrapper and inner optimizer were created under.
+        Must run under the strategy the wrapper and the inner optimizer were created
+        under (RuntimeError otherwise).
         """
         if self.built:
             return
         strategy = tf.distribute.get_strategy()
+        inner_strategy = getattr(self.inner_optimizer, "_distribution_strategy", strategy)
         for who, created_under in (("AccumulatingOptimizer", self._distribution_strategy),
-                                   ("its inner optimizer",
-                                    getattr(self.inner_optimizer, "_distribution_strategy",
-                                            strategy))):
+                                   ("its inner optimizer", inner_strategy)):
             if created_under is not strategy:
                 raise RuntimeError(
                     f"{who} was created under {_describe(created_under)} but is being "
                     f"built under {_describe(strategy)}. Its step counters would not be "
                     "mirrored variables, and the update count would be wrong. Create the "
                     "model, the inner optimizer and the AccumulatingOptimizer inside the "
-                    "same `with strategy.scope():` block."
-                )
+                    "same `with strategy.scope():` block.")
         super().build(var_list)
         accumulators = []
-        with backend.name_scope(self.name, caller=self):
+        with keras.name_scope(self.name, caller=self):
             for variable in var_list:
                 name = getattr(variable, "path", variable.name).replace("/", "_")
-                accumulator = backend.Variable(
-                    initializer="zeros",
-                    shape=variable.shape,
-                    dtype="float32",
-                    trainable=False,
+                # `add_variable` cannot set `synchronization`, hence keras.Variable and
+                # the (private) `_track_variable` that `add_variable` itself uses.
+                accumulator = keras.Variable(
+                    initializer="zeros", shape=variable.shape,
+                    dtype=_accumulator_dtype(variable.dtype), trainable=False,
                     autocast=False,
                     # ON_READ + SUM: each replica adds to its own copy without
-                    # communicating; reading in cross-replica context (checkpoints,
-                    # .numpy()) gives the sum over replicas.
-                    synchronization="on_read",
-                    aggregation="sum",
-                    name=f"{name.replace(':', '_')}_accumulated_gradient",
-                )
+                    # communicating; a cross-replica read (checkpoint, .numpy())
+                    # gives the sum over replicas.
+                    synchronization="on_read", aggregation="sum",
+                    name=f"{name.replace(':', '_')}_accumulated_gradient")
                 self._track_variable(accumulator)
                 accumulators.append(accumulator)
         self._accumulators = accumulators
@@ -297,19 +241,17 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     # -- apply ---------------------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
-        """Accumulate `grads`; on every `steps`-th call, update the inner optimizer.
+        """Accumulate `grads`; on every k-th call, update the inner optimizer.
 
         Call in replica context: inside `strategy.run` (model.fit does this), or
         without any strategy. `grads` are this replica's gradients (Keras' loss is
-        already divided by the number of replicas); `None` gradients are skipped.
-        Sparse (`IndexedSlices`) gradients are densified into the accumulators.
+        already divided by the number of replicas); `None` gradients are skipped;
+        `IndexedSlices` are densified into the accumulators.
 
         Raises:
             ValueError: called in cross-replica context (under `strategy.scope()` but
-                outside `strategy.run`).
-            RuntimeError: called under a different strategy than the one the wrapper
-                was built under (e.g. outside `strategy.run`/`strategy.scope()` after
-                building under a MirroredStrategy).
+                outside `strategy.run`), or no gradient is given for any variable.
+            RuntimeError: called under another strategy than the one it was built under.
         """
         grads = list(grads)
         if not grads:
@@ -318,12 +260,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             if not self.built:
                 raise ValueError(
                     "When passing gradients without variables the optimizer must be "
-                    "built: call optimizer.build(model.trainable_variables) first."
-                )
+                    "built: call optimizer.build(model.trainable_variables) first.")
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
         if not self.built:
-            with backend.name_scope(self.name, caller=self):
+            with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         self._check_context()
         self._check_variables_are_known(trainable_variables)
@@ -331,16 +272,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         if not pairs:
             raise ValueError("No gradients provided for any variable.")
         variables = [v for _, v in pairs]
-        with backend.name_scope(self.name, caller=self):
-            # 1. Replica-local accumulation: no communication.
-            for grad, variable in pairs:
+        with keras.name_scope(self.name, caller=self):
+            for grad, variable in pairs:  # replica-local: no communication
                 if isinstance(grad, tf.IndexedSlices):
                     grad = tf.convert_to_tensor(grad)
-                self.assign_add(self._accumulator_of(variable), tf.cast(grad, tf.float32))
-
+                accumulator = self._accumulator_of(variable)
+                self.assign_add(accumulator, tf.cast(grad, accumulator.dtype))
             if tf.__internal__.distribute.strategy_supports_no_merge_call():
-                # No strategy, or a strategy whose all-reduce and variable updates work
-                # without merge_call: every replica takes the same branch.
+                # No strategy, or all-reduce and variable updates without merge_call
+                # (MirroredStrategy in an XLA function on GPUs): every replica counts
+                # and takes the same branch.
                 self._iterations.assign_add(1)
                 tf.cond(self.apply_is_due(),
                         lambda: self._finish_cycle_in_replica_context(variables),
@@ -350,12 +291,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     self._cross_replica_step, args=(variables,))
 
     def apply_is_due(self):
-        """Boolean tensor: the micro-step just counted completes an accumulation cycle.
-
-        Evaluated after `micro_steps` was incremented, in cross-replica context under
-        merge_call strategies (or in replica context without one).
-        """
-        return tf.equal(tf.math.floormod(self._iterations.value, self.steps), 0)
+        """Boolean tensor: the micro-step just counted completes the cycle."""
+        return tf.equal(self.micro_steps, 0)
 
     def _cross_replica_step(self, distribution, variables):
         # Cross-replica context: runs once for all replicas, so the counter is
@@ -409,21 +346,18 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def _apply_accumulated(self, variables):
         """Replica context: one inner update with the accumulated mean, then reset.
 
-        This is where the cycle's gradient all-reduce happens (inside the inner
-        optimizer's `apply`), plus one more when clipping is configured.
+        The cycle's gradient all-reduce happens here, inside the inner optimizer's
+        `apply` (plus one more when clipping is configured).
         """
         accumulators = [self._accumulator_of(v) for v in variables]
         # This replica's share of the mean gradient; the inner optimizer's SUM
         # all-reduce turns the shares into the mean over all micro-batches and replicas.
-        grads = [tf.cast(tf.convert_to_tensor(a) / self.steps, v.dtype)
+        grads = [tf.cast(tf.convert_to_tensor(a) / self.accumulation_steps, v.dtype)
                  for a, v in zip(accumulators, variables)]
-        if self._clipping_configured():
+        if any(getattr(self, option) for option in CLIP_OPTIONS):
             grads = self._clip_across_replicas(grads)
         self.inner_optimizer.apply(grads, variables)
         self._reset_accumulators(variables)
-
-    def _clipping_configured(self) -> bool:
-        return any(getattr(self, option) for option in CLIP_OPTIONS)
 
     def _clip_across_replicas(self, local_grads):
         # Clipping is not linear, so it needs the summed gradient: one extra
@@ -450,14 +384,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 f"but apply_gradients is called under {_describe(strategy)}. Call it "
                 "inside strategy.run(...) of the strategy it was built under (model.fit "
                 "does this for you). To train under another strategy, create a new "
-                "model and optimizer inside that strategy's scope()."
-            )
+                "model and optimizer inside that strategy's scope().")
         if tf.distribute.in_cross_replica_context():
             raise ValueError(
                 "AccumulatingOptimizer.apply_gradients must be called in replica context: "
                 "inside strategy.run(step_fn, ...) (or through model.fit), not directly "
-                "under strategy.scope()."
-            )
+                "under strategy.scope().")
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
@@ -468,87 +400,19 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     # -- serialization -----------------------------------------------------------
 
     def get_config(self):
-        inner = serialization_lib.serialize_keras_object(self.inner_optimizer)
+        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
         # Give the clipping back to the inner optimizer's config: from_config moves it
         # to the wrapper again, so a round trip reproduces this object.
         inner["config"].update({option: getattr(self, option) for option in CLIP_OPTIONS})
-        return {"name": self.name, "optimizer": inner, "steps": self.steps}
+        return {"name": self.name, "inner_optimizer": inner,
+                "accumulation_steps": self.accumulation_steps}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = serialization_lib.deserialize_keras_object(
-            config.pop("optimizer"), custom_objects=custom_objects)
+        # distgrad 0.1 saved the same two values as "optimizer" and "steps".
+        inner = config.pop("inner_optimizer", None) or config.pop("optimizer")
+        if "steps" in config:
+            config["accumulation_steps"] = config.pop("steps")
+        inner = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
         return cls(inner, **config)
-
-
-# -- the recipes lesson 03 and its tests compare ----------------------------------
-
-
-@dataclasses.dataclass
-class TrainingRun:
-    """Weights before/after a training recipe, and the optimizer's counters.
-
-    `updates` is `optimizer.iterations` (updates made); `micro_steps` is the number of
-    `apply_gradients` calls for an `AccumulatingOptimizer` (else equal to `updates`).
-    """
-
-    initial: list
-    final: list
-    updates: int
-    micro_steps: int
-    model: object
-    optimizer: object
-
-
-def _counters(optimizer) -> tuple[int, int]:
-    updates = int(np.asarray(keras.ops.convert_to_numpy(optimizer.iterations)))
-    micro = optimizer.micro_steps if isinstance(optimizer, AccumulatingOptimizer) else None
-    return updates, updates if micro is None else int(micro.numpy())
-
-
-def fit_run(strategy, optimizer_factory, x, y, batch_size: int, epochs: int = 1,
-            model_factory=tiny_model, loss="mse") -> TrainingRun:
-    """`model.fit(x, y, batch_size, shuffle=False)` of a fresh model under `strategy`.
-
-    `strategy=None` trains without a strategy. The model and `optimizer_factory()` are
-    created inside `strategy.scope()`, as Keras requires. Seeded initializers and no
-    shuffling make two runs comparable weight for weight.
-    """
-    strategy = strategy or tf.distribute.get_strategy()
-    with strategy.scope():
-        model = model_factory()
-        optimizer = optimizer_factory()
-        model.compile(optimizer=optimizer, loss=loss)
-    initial = weights_of(model)
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    updates, micro_steps = _counters(model.optimizer)
-    return TrainingRun(initial, weights_of(model), updates, micro_steps, model, model.optimizer)
-
-
-def custom_loop_run(strategy, optimizer_factory, x, y, batch_size: int,
-                    model_factory=tiny_model) -> TrainingRun:
-    """A `tf.function` custom loop: one `strategy.run(replica_step)` per batch of `x`.
-
-    `replica_step` is `distgrad.sync.make_replica_step(batch_size)`: per-example loss
-    over the global batch, then `optimizer.apply_gradients` in replica context.
-    """
-    strategy = strategy or tf.distribute.get_strategy()
-    if len(x) % batch_size:
-        raise ValueError(f"{len(x)} examples are not a whole number of batches of {batch_size}.")
-    with strategy.scope():
-        model = model_factory()
-        optimizer = optimizer_factory()
-        optimizer.build(model.trainable_variables)
-    initial = weights_of(model)
-    replica_step = make_replica_step(batch_size)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-
-    @tf.function
-    def distributed_step(batch):
-        return strategy.run(replica_step, args=(model, optimizer, *batch))
-
-    for batch in strategy.experimental_distribute_dataset(dataset):
-        distributed_step(batch)
-    updates, micro_steps = _counters(optimizer)
-    return TrainingRun(initial, weights_of(model), updates, micro_steps, model, optimizer)

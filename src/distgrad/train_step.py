@@ -1,86 +1,40 @@
 """In-step micro-batching for `model.fit`: k micro-batches, one update, one all-reduce.
 
-`MicroBatching` is a mixin for `keras.Model` whose `train_step` splits each
-per-replica batch into `micro_batches` equal slices, runs forward + backward on one
-slice at a time inside a `tf.while_loop`, sums the gradients as loop variables, and
-calls `optimizer.apply_gradients` once, after the loop. One fit step is still one
-optimizer update, so callbacks, metrics, the progress bar and learning-rate schedules
-see exactly what they see without micro-batching; only the activation memory of the
-backward pass shrinks (to one micro-batch's worth).
+    model = MicroBatchingModel(inputs, outputs, accumulation_steps=4)  # functional
+    model = with_micro_batches(existing_model, 4)   # same layers, shared weights
+    class MyModel(MicroBatching, keras.Model): ...  # subclassed models
 
-    model = MicroBatchingModel(inputs, outputs, micro_batches=4)   # functional
-    model = with_micro_batches(existing_model, 4)                 # same layers, shared weights
-    class MyModel(MicroBatching, keras.Model): ...                # subclassed models
+This file imports only TensorFlow and Keras: copy it into a project and use it alone.
 
-How it matches Keras' own `train_step` (`keras/src/backend/tensorflow/trainer.py`,
-`TensorFlowTrainer.train_step`), line by line:
+How `MicroBatching.train_step` matches Keras' own (`keras/src/backend/tensorflow/
+trainer.py`, `TensorFlowTrainer.train_step`):
 
-* **Loss scaling for distribution.** `compute_loss` already returns the *mean* over
-  the slice it is given, divided by the number of replicas R
-  (`keras/src/losses/loss.py`: `reduce_values` -> `scale_loss_for_distribution`;
-  regularization losses go through `Trainer._aggregate_additional_loss`, which the TF
-  trainer also scales by 1/R). Each micro-batch's loss is divided by k once more, so
-  the sum over k equal slices is the mean over the replica's batch / R, and the
-  optimizer's SUM all-reduce across replicas turns that into the global mean
-  gradient. Regularization terms, added once per slice, are counted k * (1/k) = once.
-* **Mixed precision.** Each slice's loss goes through `optimizer.scale_loss` (the
-  dynamic loss scale of a `LossScaleOptimizer`, identity otherwise) before
-  `tape.gradient`; the summed *scaled* gradients go to `apply_gradients` once, so the
-  `LossScaleOptimizer` checks finiteness, unscales and updates once per fit step.
-  Accumulators have the variable dtype (float32 under `mixed_float16`). Keras 3's
-  `LossScaleOptimizer` decides finiteness on replica 0's local gradients under
-  `MirroredStrategy` (lesson 04); `distgrad.pitfalls.lso_first_replica_finite.
-  AllReplicasFiniteLossScaleOptimizer` fixes that and works here unchanged.
-* **Metrics.** The loss tracker gets each slice's loss (times R, like
-  `unscale_loss_for_distribution`) weighted by the slice size, and `compute_metrics`
-  is called on every slice: a `Mean` over k equal slices equals the `Mean` over the
-  batch, so `fit`'s history equals plain `fit`'s. Logs come from
-  `get_metrics_result()` after the update, as in Keras. The loss tracker is
-  `self._loss_tracker`, the one private attribute used here: the same one Keras'
-  own `train_step` updates (the history tests fail if Keras renames it).
-* **One all-reduce.** The loop body holds no `apply_gradients`, hence no
-  `merge_call` and no collective; there is no `tf.cond` around the apply either.
-
-Why these shapes:
-
-* Keras traces `train_step` under `tf.autograph.experimental.do_not_convert`
-  (`TensorFlowTrainer._make_function`): a Python `for i in tf.range(k)` is *not*
-  turned into a loop there, so the loop is an explicit `tf.while_loop`.
-* `parallel_iterations=1`: iteration i+1's forward pass does not depend on
-  iteration i's gradients, so with the `tf.while_loop` default (10, "the number of
-  iterations allowed to run in parallel") TensorFlow may run several
-  micro-batches at once and keep their activations alive together, which is the
-  memory this class exists to save.
-* Gradients are loop variables that the body *returns*; `g += _g` inside the body
-  would only rebind a Python name (see `distgrad.pitfalls.compound_assignment`).
-
-Contract and limits:
-
-* The per-replica batch must be divisible by `micro_batches` (global batch divisible
-  by `micro_batches * replicas`), including the last batch of an epoch: otherwise
-  `ValueError` at trace time (static shapes) or `tf.errors.InvalidArgumentError` at
-  run time, both saying how to fix it (`drop_remainder=True`, or a dataset size that
-  is a multiple of the batch size). Under `jit_compile=True` (Keras' default on a GPU
-  without a strategy) the run-time check would be compiled out by XLA, so a step
-  traced for an unknown batch size raises `ValueError` at trace time instead.
-* Exact equivalence needs Keras' default loss reduction `"sum_over_batch_size"`
-  (each slice divides by its own size). `"mean_with_sample_weight"` divides each
-  slice by its own sum of weights, which is not the batch's.
-* Layers whose forward pass depends on the batch (BatchNorm in training mode) see
-  micro-batch statistics and update their moving averages k times per step; that is
-  inherent to micro-batching, not something this class can undo.
-* Sparse (`IndexedSlices`) gradients are densified into the accumulators.
+* **Loss scaling.** `compute_loss` returns the mean over the slice it is given,
+  divided by the number of replicas R (`keras/src/losses/loss.py`:
+  `scale_loss_for_distribution`; regularization losses are scaled by 1/R too). Each
+  slice's loss is divided by k once more, so the k slices sum to the replica's batch
+  mean / R, and the optimizer's SUM all-reduce makes that the global mean gradient.
+  Regularization terms, added once per slice, count k * (1/k) = once.
+* **Mixed precision.** Each slice's loss goes through `optimizer.scale_loss` before
+  `tape.gradient`; the summed *scaled* gradients go to `apply_gradients` once, so a
+  `LossScaleOptimizer` checks finiteness, unscales and updates once per step. (Keras'
+  `LossScaleOptimizer` checks replica 0 only under MirroredStrategy;
+  `distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer` checks all and works
+  here unchanged.)
+* **Metrics.** The loss tracker gets each slice's loss times R (like
+  `unscale_loss_for_distribution`), weighted by the slice size, and `compute_metrics`
+  runs on every slice: a `Mean` over k equal slices is the `Mean` over the batch, so
+  `fit`'s history equals plain `fit`'s.
+* **One all-reduce.** The loop body holds no `apply_gradients`, hence no `merge_call`
+  and no collective; no `tf.cond` surrounds the apply either.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import keras
 import tensorflow as tf
-
-from distgrad.collectives import ALL_REDUCE_OP_TYPES, graph_op_types
 
 
 def _check_count(name: str, value) -> None:
@@ -88,53 +42,53 @@ def _check_count(name: str, value) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
 
 
-def check_micro_batches(global_batch_size: int, micro_batches: int, replicas: int = 1) -> int:
+def check_micro_batches(global_batch_size: int, accumulation_steps: int, replicas: int = 1) -> int:
     """The micro-batch size (per replica) for a global batch split over replicas and slices.
 
-    Pure function: `global_batch_size / replicas / micro_batches`.
+    Pure function: `global_batch_size / replicas / accumulation_steps`.
 
     Raises:
         ValueError: an argument below 1, or a global batch that is not a multiple of
-            `micro_batches * replicas`; the message names batch sizes that work.
+            `accumulation_steps * replicas`; the message names batch sizes that work.
     """
     _check_count("global_batch_size", global_batch_size)
-    _check_count("micro_batches", micro_batches)
+    _check_count("accumulation_steps", accumulation_steps)
     _check_count("replicas", replicas)
-    unit = micro_batches * replicas
+    unit = accumulation_steps * replicas
     if global_batch_size % unit:
         below, above = global_batch_size // unit * unit, (global_batch_size // unit + 1) * unit
         suggestion = f"{below} or {above}" if below else f"{above}"
         raise ValueError(
             f"global batch of {global_batch_size} examples cannot be split into "
-            f"{replicas} replica(s) x micro_batches={micro_batches} equal micro-batches. "
-            f"Use a batch_size that is a multiple of micro_batches x replicas = {unit} "
+            f"{replicas} replica(s) x accumulation_steps={accumulation_steps} equal micro-batches. "
+            f"Use a batch_size that is a multiple of accumulation_steps x replicas = {unit} "
             f"(e.g. {suggestion}), and drop a smaller last batch "
             "(tf.data: .batch(batch_size, drop_remainder=True))."
         )
     return global_batch_size // unit
 
 
-def _ragged_message(micro_batches: int, replicas: int) -> str:
-    unit = micro_batches * replicas
+def _ragged_message(accumulation_steps: int, replicas: int) -> str:
+    unit = accumulation_steps * replicas
     return (
-        f"MicroBatching: the per-replica batch is not divisible by micro_batches="
-        f"{micro_batches} ({replicas} replica(s)). Every batch, including the last one of "
-        f"an epoch, must hold a multiple of micro_batches x replicas = {unit} examples: "
+        f"MicroBatching: the per-replica batch is not divisible by accumulation_steps="
+        f"{accumulation_steps} ({replicas} replica(s)). Every batch, including the last one of "
+        f"an epoch, must hold a multiple of accumulation_steps x replicas = {unit} examples: "
         "batch a tf.data.Dataset with .batch(batch_size, drop_remainder=True), or make the "
         "number of examples a multiple of batch_size, and use a batch_size that is a "
         f"multiple of {unit}."
     )
 
 
-def _xla_dynamic_batch_message(micro_batches: int, replicas: int) -> str:
+def _xla_dynamic_batch_message(accumulation_steps: int, replicas: int) -> str:
     return (
         "MicroBatching with jit_compile=True needs a static batch dimension: Keras traced "
         "the step for a batch of unknown size (it retraces with a generalized shape, "
         "typically for a smaller last batch), and XLA compiles the run-time divisibility "
         "check out, so a ragged batch would be silently truncated. Batch a tf.data.Dataset "
         "with .batch(batch_size, drop_remainder=True) or make the number of examples a "
-        f"multiple of batch_size (a multiple of micro_batches x replicas = "
-        f"{micro_batches * replicas}), or compile with jit_compile=False."
+        f"multiple of batch_size (a multiple of accumulation_steps x replicas = "
+        f"{accumulation_steps * replicas}), or compile with jit_compile=False."
     )
 
 
@@ -150,34 +104,53 @@ def _slice(structure, start, size):
 
 
 class MicroBatching:
-    """Mixin for `keras.Model`: `train_step` runs `micro_batches` slices, applies once.
+    """Mixin for `keras.Model`: `train_step` runs k micro-batches, then applies once.
 
     Put it *before* `keras.Model` in the bases: `class M(MicroBatching, keras.Model)`.
-    `micro_batches` (constructor keyword or attribute, default 1) can be changed
-    between `fit` calls; changing it drops the traced train function. `micro_batches=1`
-    computes what Keras' own `train_step` computes.
 
-    Raises (from `fit`): `ValueError` / `tf.errors.InvalidArgumentError` for a batch
-    that does not split into equal micro-batches (see `check_micro_batches`).
+    Args:
+        accumulation_steps: k, the micro-batches each per-replica batch is split into
+            (default 1: what Keras' own `train_step` computes). Also an attribute that
+            can be changed between `fit` calls (the traced train function is dropped).
+
+    State: none beyond Keras' own; the summed gradients are loop variables of one
+    step, so `fit` steps, callbacks, schedules and `iterations` count updates.
+
+    Limits:
+        * Exact equivalence needs Keras' default loss reduction `"sum_over_batch_size"`
+          (`"mean_with_sample_weight"` divides each slice by its own weight sum).
+        * Batch-dependent layers (BatchNorm in training mode) see micro-batch
+          statistics and update their moving averages k times per step.
+        * Sparse (`IndexedSlices`) gradients are densified into the sums.
+        * The loss tracker is Keras' `self._loss_tracker`, the one private attribute
+          used: the one Keras' own `train_step` updates.
+
+    Raises (from `fit`):
+        ValueError: a batch that does not split into k equal micro-batches per replica
+            (see `check_micro_batches`), at trace time when the batch size is static,
+            and always under `jit_compile=True`, where XLA would compile the run-time
+            check out and silently truncate a ragged batch.
+        tf.errors.InvalidArgumentError: the same, at run time, for an unknown batch
+            size (typically a smaller last batch): use `drop_remainder=True`.
     """
 
-    def __init__(self, *args, micro_batches: int = 1, **kwargs):
+    def __init__(self, *args, accumulation_steps: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        self.micro_batches = micro_batches
+        self.accumulation_steps = accumulation_steps
 
     @property
-    def micro_batches(self) -> int:
-        return self._micro_batches
+    def accumulation_steps(self) -> int:
+        return self._accumulation_steps
 
-    @micro_batches.setter
-    def micro_batches(self, value: int) -> None:
-        _check_count("micro_batches", value)
-        self._micro_batches = value
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        _check_count("accumulation_steps", value)
+        self._accumulation_steps = value
         # A traced train function has k baked in as a constant: retrace.
         self.train_function = None
 
     def train_step(self, data):
-        k = self.micro_batches
+        k = self.accumulation_steps
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         static_batch, batch = _leading_dimension(x)
@@ -226,9 +199,13 @@ class MicroBatching:
             return i + 1, summed
 
         accumulators = [tf.zeros(v.shape, dtype=v.dtype) for v in trainable]
+        # An explicit while_loop: Keras traces train_step under autograph's
+        # do_not_convert, so a Python `for i in tf.range(k)` would not become a loop.
         _, summed = tf.while_loop(
             lambda i, _: i < k, body, [tf.constant(0), accumulators],
-            # One micro-batch at a time: its activations are freed before the next.
+            # Iteration i+1's forward pass does not depend on iteration i, so the
+            # default (10) may run several micro-batches at once and keep their
+            # activations alive together: the memory this class exists to save.
             parallel_iterations=1,
             name="micro_batches",
         )
@@ -242,12 +219,12 @@ class MicroBatching:
 class MicroBatchingModel(MicroBatching, keras.Model):
     """`keras.Model` with in-step micro-batching; accepts functional arguments.
 
-    `MicroBatchingModel(inputs, outputs, micro_batches=4)` builds a functional model
+    `MicroBatchingModel(inputs, outputs, accumulation_steps=4)` builds a functional model
     (Keras injects `Functional` for subclasses called with inputs/outputs).
     """
 
 
-def with_micro_batches(model: keras.Model, micro_batches: int) -> MicroBatchingModel:
+def with_micro_batches(model: keras.Model, accumulation_steps: int) -> MicroBatchingModel:
     """A `MicroBatchingModel` over the layers of a built functional/Sequential `model`.
 
     The new model shares `model`'s layers and weights (same order of
@@ -266,87 +243,4 @@ def with_micro_batches(model: keras.Model, micro_batches: int) -> MicroBatchingM
             "unbuilt model). Build it with keras.Input, or subclass "
             "`class MyModel(MicroBatching, keras.Model)`."
         )
-    return MicroBatchingModel(inputs, outputs, micro_batches=micro_batches)
-
-
-# --- counting the all-reduces of the step fit runs -----------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCollectives:
-    """All-reduces in one traced fit step.
-
-    `all_reduces`: all-reduce ops / replicas (times the step syncs). `in_while_bodies`:
-    all-reduce ops / replicas found inside `tf.while_loop` bodies (anything there runs
-    once per iteration, i.e. k times per step). `while_loops`: While ops / replicas.
-    """
-
-    all_reduces: int
-    in_while_bodies: int
-    while_loops: int
-    replicas: int
-
-
-def _reachable_functions(library: dict, roots) -> set:
-    seen, todo = set(), list(roots)
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in library:
-            continue
-        seen.add(name)
-        for node in library[name].node_def:
-            for attr in node.attr.values():
-                if attr.HasField("func"):
-                    todo.append(attr.func.name)
-                todo.extend(f.name for f in attr.list.func)
-            if node.op in library:  # a function called as an op
-                todo.append(node.op)
-    return seen
-
-
-def step_collectives(graph_def: tf.compat.v1.GraphDef, replicas: int) -> StepCollectives:
-    """Count all-reduces of a traced step, and those inside `tf.while_loop` bodies.
-
-    Pure function of a GraphDef (use `fit_step_graph(model)` for fit's step).
-    """
-    library = {f.signature.name: f for f in graph_def.library.function}
-    nodes = list(graph_def.node) + [n for f in library.values() for n in f.node_def]
-    bodies = [n.attr["body"].func.name for n in nodes if n.op in ("While", "StatelessWhile")]
-    in_bodies = 0
-    for name in _reachable_functions(library, bodies):
-        in_bodies += sum(n.op in ALL_REDUCE_OP_TYPES for n in library[name].node_def)
-    total = sum(n for t, n in graph_op_types(graph_def).items() if t in ALL_REDUCE_OP_TYPES)
-    for count, what in ((total, "all-reduce ops"), (in_bodies, "all-reduce ops in loops"),
-                        (len(bodies), "while loops")):
-        if count % replicas:
-            raise ValueError(f"{count} {what} is not a multiple of {replicas} replicas.")
-    return StepCollectives(total // replicas, in_bodies // replicas, len(bodies) // replicas,
-                           replicas)
-
-
-def fit_step_graph(model: keras.Model, x, y, batch_size: int) -> tf.compat.v1.GraphDef:
-    """The graph of the step `model.fit(x, y, batch_size=batch_size)` runs.
-
-    Builds `model.train_function` the way `fit` does (`make_train_function`) and
-    traces the `tf.function` inside it on a distributed iterator over `(x, y)`: the
-    same function fit calls each step, including Keras' `strategy.run` and its
-    reduction of the logs. Nothing runs, no weight changes. The model must be
-    compiled and built (e.g. after one `fit` call or `model.build`).
-
-    Raises RuntimeError if the installed Keras no longer wraps a `tf.function` there.
-    """
-    strategy = model.distribute_strategy
-    if model.steps_per_execution != 1:
-        raise ValueError("fit_step_graph traces one step: compile with steps_per_execution=1.")
-    model.make_train_function(force=True)
-    cells = getattr(model.train_function, "__closure__", None) or ()
-    traced = [c.cell_contents for c in cells
-              if hasattr(c.cell_contents, "get_concrete_function")]
-    if len(traced) != 1:
-        raise RuntimeError(
-            "model.train_function no longer wraps exactly one tf.function "
-            "(keras/src/backend/tensorflow/trainer.py changed): update fit_step_graph.")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-    iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    concrete = traced[0].get_concrete_function(iterator)
-    return concrete.graph.as_graph_def()
+    return MicroBatchingModel(inputs, outputs, accumulation_steps=accumulation_steps)

@@ -18,15 +18,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.equivalence import (
-    WeightDiff,
-    big_batch_reference,
-    per_example_squared_error,
-    regression_data,
-    weight_diff,
-    weights_of,
-)
-from distgrad.sync import make_replica_step, run_steps
+from distgrad.lab.compare import WeightDiff, weight_diff, weights_of
+from distgrad.lab.data import per_example_squared_error, regression_data
+from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
 
 
 def batchnorm_model(features: int = 4, hidden: int = 8, synchronized: bool = False, seed: int = 0):

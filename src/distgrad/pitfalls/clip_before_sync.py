@@ -14,14 +14,9 @@ import dataclasses
 
 import keras
 
-from distgrad.equivalence import (
-    WeightDiff,
-    big_batch_reference,
-    regression_data,
-    updates,
-    weight_diff,
-)
-from distgrad.sync import make_replica_step, run_steps
+from distgrad.lab.compare import WeightDiff, updates, weight_diff
+from distgrad.lab.data import regression_data
+from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,15 +17,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.equivalence import (
-    WeightDiff,
-    per_example_squared_error,
-    regression_data,
-    tiny_model,
-    weight_diff,
-    weights_of,
-)
-from distgrad.optimizer import AccumulatingOptimizer, fit_run
+from distgrad.lab.compare import WeightDiff, weight_diff, weights_of
+from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
+from distgrad.lab.recipes import fit_run
+from distgrad.optimizer import AccumulatingOptimizer
 
 MICRO_BATCH = 4
 STEPS = 4
@@ -86,5 +81,5 @@ def reproduce(strategy=None, clip_norm: float = 0.05, learning_rate: float = 0.1
         schedule_accumulating_vs_big_batch=weight_diff(acc_schedule.final, big_schedule.final),
         schedule_vs_constant_learning_rate=weight_diff(acc_schedule.final, constant.final),
         updates=acc_schedule.updates,
-        micro_steps=acc_schedule.micro_steps,
+        micro_steps=acc_schedule.total_micro_steps,
     )

@@ -32,16 +32,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.equivalence import (
-    WeightDiff,
-    big_batch_reference,
-    regression_data,
-    tiny_model,
-    update_ratio,
-    updates,
-    weight_diff,
-    weights_of,
-)
+from distgrad.lab.compare import WeightDiff, update_ratio, updates, weight_diff, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.recipes import big_batch_reference
 from distgrad.pitfalls import CapturedError
 
 # --- numbers --------------------------------------------------------------------------

@@ -40,9 +40,10 @@ import textwrap
 import keras
 import tensorflow as tf
 
-from distgrad.equivalence import WeightDiff, regression_data, tiny_model, weight_diff, weights_of
+from distgrad.lab.compare import WeightDiff, weight_diff, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.recipes import make_replica_step
 from distgrad.pitfalls import CapturedError
-from distgrad.sync import make_replica_step
 
 MERGE_CALL_ERROR = "`merge_call` called while defining a new graph or a tf.function."
 

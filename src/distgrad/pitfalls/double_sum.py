@@ -11,10 +11,11 @@ import dataclasses
 
 import keras
 
-from distgrad.collectives import count_collectives
-from distgrad.equivalence import big_batch_reference, regression_data, update_ratio, updates
+from distgrad.lab.compare import update_ratio, updates
+from distgrad.lab.data import regression_data
+from distgrad.lab.graph import count_collectives
+from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
 from distgrad.pitfalls import CapturedError
-from distgrad.sync import make_replica_step, run_steps
 
 
 @dataclasses.dataclass(frozen=True)

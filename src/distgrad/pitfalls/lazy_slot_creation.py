@@ -39,16 +39,11 @@ import dataclasses
 
 import tensorflow as tf
 
-from distgrad.accumulator import GradientAccumulator, plan_micro_batches, update_loss
-from distgrad.equivalence import (
-    OPTIMIZERS,
-    WeightDiff,
-    big_batch_reference,
-    per_example_squared_error,
-    regression_data,
-    tiny_model,
-    weight_diff,
-)
+from distgrad.accumulator import GradientAccumulator
+from distgrad.lab.accumulation import plan_micro_batches, update_loss
+from distgrad.lab.compare import OPTIMIZERS, WeightDiff, weight_diff
+from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
+from distgrad.lab.recipes import big_batch_reference
 from distgrad.pitfalls import CapturedError
 
 

@@ -43,7 +43,8 @@ import numpy as np
 import tensorflow as tf
 
 from distgrad.callpath import current_context
-from distgrad.equivalence import regression_data, tiny_model, weights_of
+from distgrad.lab.compare import weights_of
+from distgrad.lab.data import regression_data, tiny_model
 from distgrad.pitfalls import CapturedError
 
 TARGETS = ("loss_scale_optimizer", "inner_optimizer", "none")
@@ -851,7 +852,7 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
     """`model.fit(x, y, batch_size)` under `mixed_float16` (shuffle off, one epoch).
 
     The optimizer is `optimizer_factory()` (default `SGD(0.1)`), wrapped in
-    `distgrad.AccumulatingOptimizer(..., steps=accumulation_steps)` unless
+    `distgrad.AccumulatingOptimizer(..., accumulation_steps)` unless
     `accumulation_steps` is None. With `initial_scale=None` it is handed to
     `model.compile` as is, so Keras adds its own `LossScaleOptimizer` (default scale
     2**15); otherwise it is wrapped here in `wrapper` (default Keras'
@@ -865,7 +866,7 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
             model = tiny_model()
             optimizer = optimizer_factory()
             if accumulation_steps is not None:
-                optimizer = AccumulatingOptimizer(optimizer, steps=accumulation_steps)
+                optimizer = AccumulatingOptimizer(optimizer, accumulation_steps)
             if initial_scale is not None:
                 wrapper_class = wrapper or keras.mixed_precision.LossScaleOptimizer
                 optimizer = wrapper_class(optimizer, initial_scale=initial_scale,

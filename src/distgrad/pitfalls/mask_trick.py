@@ -31,87 +31,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.collectives import ALL_REDUCE_OP_TYPES
-from distgrad.equivalence import OPTIMIZERS_WITH_WEIGHT_DECAY as OPTIMIZERS
-from distgrad.equivalence import WeightDiff, regression_data, tiny_model, weight_diff, weights_of
-from distgrad.optimizer import AccumulatingOptimizer, fit_run
+from distgrad.lab.compare import OPTIMIZERS, WeightDiff, weight_diff, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.graph import AllReducePlacement, fit_step_placement
+from distgrad.lab.recipes import fit_run
+from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.pitfalls.loss_scale_patch import SeedAccumulationPatch
-
-_BRANCH_ATTRS = frozenset({"then_branch", "else_branch", "branches"})
-
-
-# -- where the all-reduces are ------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class AllReducePlacement:
-    """All-reduces of one traced step, split by whether a `tf.cond` guards them.
-
-    `every_call`: all-reduces that run each time the step runs; `conditional`: those
-    inside a cond branch (`If` / `StatelessIf` / `Case`), which run only when it is
-    taken. Counts are per replica (all-reduce ops / replicas), as in `CollectiveCount`.
-    """
-
-    every_call: int
-    conditional: int
-
-    def per_update(self, steps: int) -> int:
-        """All-reduces per optimizer update when the step runs `steps` times per update
-        and the conditional ones run once per update."""
-        return self.every_call * steps + self.conditional
-
-
-def all_reduce_placement(function, *args, replicas: int | None = None) -> AllReducePlacement:
-    """Trace `function` (a `tf.function`) for `args`; place its all-reduces.
-
-    Walks the graph and every function it calls (`PartitionedCall`, while bodies,
-    cond branches) and counts `collectives.ALL_REDUCE_OP_TYPES`, marking those reached
-    through a cond branch as conditional. Traces only: no variable changes.
-    """
-    if not hasattr(function, "get_concrete_function"):
-        raise TypeError(f"all_reduce_placement needs a tf.function, got {type(function).__name__}.")
-    graph_def = function.get_concrete_function(*args).graph.as_graph_def()
-    if replicas is None:
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    library = {f.signature.name: list(f.node_def) for f in graph_def.library.function}
-    counts = {False: 0, True: 0}
-
-    def walk(nodes, conditional, visiting):
-        for node in nodes:
-            if node.op in ALL_REDUCE_OP_TYPES:
-                counts[conditional] += 1
-            for key, attr in node.attr.items():
-                if attr.HasField("func"):
-                    names = [attr.func.name]
-                elif attr.HasField("list"):
-                    names = [f.name for f in attr.list.func]
-                else:
-                    names = []
-                for name in names:
-                    if name in library and name not in visiting:
-                        walk(library[name], conditional or key in _BRANCH_ATTRS,
-                             visiting | {name})
-
-    walk(graph_def.node, False, frozenset())
-    if counts[False] % replicas or counts[True] % replicas:
-        raise ValueError(f"all-reduce op counts {counts} are not multiples of {replicas}.")
-    return AllReducePlacement(counts[False] // replicas, counts[True] // replicas)
-
-
-def fit_step_placement(model, x, y, batch_size: int) -> AllReducePlacement:
-    """All-reduce placement of `model.train_step` run the way `model.fit` runs it.
-
-    Keras' train function calls `strategy.run(model.train_step, (batch,))` inside a
-    `tf.function` (`TensorFlowTrainer._make_function`); this traces exactly that on
-    one distributed batch of `(x, y)`. The model must be compiled and built.
-    """
-    strategy = model.distribute_strategy
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-    batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
-    step = tf.function(lambda data: strategy.run(model.train_step, args=(data,)))
-    with strategy.scope():
-        return all_reduce_placement(step, batch)
-
 
 # -- the mask trick -------------------------------------------------------------------
 

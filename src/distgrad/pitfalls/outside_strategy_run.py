@@ -35,15 +35,9 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from distgrad.equivalence import (
-    big_batch_reference,
-    per_example_squared_error,
-    regression_data,
-    tiny_model,
-    update_ratio,
-    updates,
-    weights_of,
-)
+from distgrad.lab.compare import update_ratio, updates, weights_of
+from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
+from distgrad.lab.recipes import big_batch_reference
 from distgrad.pitfalls import CapturedError
 
 

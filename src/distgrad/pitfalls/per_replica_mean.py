@@ -11,8 +11,9 @@ import dataclasses
 
 import keras
 
-from distgrad.equivalence import big_batch_reference, regression_data, update_ratio, updates
-from distgrad.sync import make_replica_step, run_steps
+from distgrad.lab.compare import update_ratio, updates
+from distgrad.lab.data import regression_data
+from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,13 +27,13 @@ def _optimizer():
 
     from distgrad.optimizer import AccumulatingOptimizer
 
-    return AccumulatingOptimizer(keras.optimizers.Adam(0.01), steps=STEPS)
+    return AccumulatingOptimizer(keras.optimizers.Adam(0.01), accumulation_steps=STEPS)
 
 
 def uninterrupted_weights(strategy) -> list[np.ndarray]:
     """One `fit` over all the data, in this process: the reference."""
-    from distgrad.equivalence import regression_data
-    from distgrad.optimizer import fit_run
+    from distgrad.lab.data import regression_data
+    from distgrad.lab.recipes import fit_run
 
     x, y = regression_data(EXAMPLES)
     return fit_run(strategy, _optimizer, x, y, MICRO_BATCH).final
@@ -45,23 +45,24 @@ def _phase(name: str, workdir: str, replicas: int) -> dict:
     strategy = distgrad.make_strategy(replicas)
     import keras
 
-    from distgrad.equivalence import regression_data, weights_of
-    from distgrad.optimizer import fit_run
+    from distgrad.lab.compare import weights_of
+    from distgrad.lab.data import regression_data
+    from distgrad.lab.recipes import fit_run
 
     x, y = regression_data(EXAMPLES)
     path = os.path.join(workdir, "mid_accumulation.keras")
     if name == "first":
         run = fit_run(strategy, _optimizer, x[:SPLIT], y[:SPLIT], MICRO_BATCH)
         run.model.save(path)
-        return {"iterations": run.updates, "micro_steps": run.micro_steps}
+        return {"iterations": run.updates, "micro_steps": run.total_micro_steps}
     with strategy.scope():
         model = keras.models.load_model(path)
-    restored = (int(model.optimizer.iterations.numpy()), int(model.optimizer.micro_steps.numpy()))
+    restored = (int(model.optimizer.iterations.numpy()), int(model.optimizer.total_micro_steps.numpy()))
     model.fit(x[SPLIT:], y[SPLIT:], batch_size=MICRO_BATCH, shuffle=False, verbose=0)
     np.savez(os.path.join(workdir, "final.npz"), *weights_of(model))
     return {"restored_iterations": restored[0], "restored_micro_steps": restored[1],
             "iterations": int(model.optimizer.iterations.numpy()),
-            "micro_steps": int(model.optimizer.micro_steps.numpy())}
+            "micro_steps": int(model.optimizer.total_micro_steps.numpy())}
 
 
 def resume_in_fresh_processes(workdir: str, replicas: int = 2, timeout: float = 300) -> dict:

@@ -162,7 +162,7 @@ def wide_mlp(features: int, hidden: int, layers: int, micro_batches: int):
     h = inputs
     for _ in range(layers):
         h = keras.layers.Dense(hidden, activation="tanh")(h)
-    model = MicroBatchingModel(inputs, keras.layers.Dense(1)(h), micro_batches=micro_batches)
+    model = MicroBatchingModel(inputs, keras.layers.Dense(1)(h), accumulation_steps=micro_batches)
     model.compile(keras.optimizers.SGD(0.01), "mse")
     return model
 

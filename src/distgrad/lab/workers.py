@@ -1,32 +1,29 @@
-"""Worker functions for lesson 06, run in every worker by `distgrad.multiworker.run_workers`.
+"""Worker functions for lesson 06, run in every worker by `distgrad.lab.multiworker.run_workers`.
 
 Each takes `(task_index, num_workers, **options)`, creates its
 `MultiWorkerMirroredStrategy` first (before other TensorFlow work) and returns a small
 JSON-serializable dict. Worker w trains on the w-th contiguous slice of the global
-batch, so the workers together see exactly the batch one device sees.
+batch, so the workers together see exactly the batch one device sees. `optimizer`
+options name an entry of `distgrad.lab.compare.OPTIMIZERS`.
 """
 
 from __future__ import annotations
 
 import time
 
-from distgrad.multiworker import make_worker_strategy
+from distgrad.lab.multiworker import make_worker_strategy
 
 GLOBAL_BATCH = 16
 
 
 def _optimizer(name: str):
-    import keras
+    from distgrad.lab.compare import OPTIMIZERS
 
-    return {
-        "sgd": lambda: keras.optimizers.SGD(0.1),
-        "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-        "adam": lambda: keras.optimizers.Adam(0.01),
-    }[name]
+    return OPTIMIZERS[name]
 
 
 def _shard(task_index: int, num_workers: int, examples: int = GLOBAL_BATCH):
-    from distgrad.equivalence import regression_data
+    from distgrad.lab.data import regression_data
 
     if examples % num_workers:
         raise ValueError(f"global batch {examples} is not divisible by {num_workers} workers.")
@@ -42,9 +39,10 @@ def sync_and_equivalence(task_index: int, num_workers: int, optimizer: str = "sg
     strategy = make_worker_strategy(collective_timeout)
     import tensorflow as tf
 
-    from distgrad.collectives import count_collectives
-    from distgrad.equivalence import big_batch_reference, tiny_model, weight_diff, weights_of
-    from distgrad.sync import make_replica_step
+    from distgrad.lab.compare import weight_diff, weights_of
+    from distgrad.lab.data import tiny_model
+    from distgrad.lab.graph import count_collectives
+    from distgrad.lab.recipes import big_batch_reference, make_replica_step
 
     make_optimizer = _optimizer(optimizer)
     with strategy.scope():
@@ -81,7 +79,7 @@ def cond_around_apply(task_index: int, num_workers: int, collective_timeout: flo
     strategy = make_worker_strategy(collective_timeout)
     import tensorflow as tf
 
-    from distgrad.equivalence import per_example_squared_error, tiny_model
+    from distgrad.lab.data import per_example_squared_error, tiny_model
 
     with strategy.scope():
         model, opt = tiny_model(), _optimizer("sgd")()
@@ -120,8 +118,8 @@ def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 1
     strategy = make_worker_strategy(collective_timeout)
     import tensorflow as tf
 
-    from distgrad.equivalence import tiny_model
-    from distgrad.sync import make_replica_step
+    from distgrad.lab.data import tiny_model
+    from distgrad.lab.recipes import make_replica_step
 
     with strategy.scope():
         model, opt = tiny_model(), _optimizer("sgd")()
@@ -159,8 +157,8 @@ def checkpoint_from_chief(task_index: int, num_workers: int, directory: str,
     strategy = make_worker_strategy(collective_timeout)
     import tensorflow as tf
 
-    from distgrad.equivalence import tiny_model
-    from distgrad.sync import make_replica_step
+    from distgrad.lab.data import tiny_model
+    from distgrad.lab.recipes import make_replica_step
 
     with strategy.scope():
         model, opt = tiny_model(), _optimizer("sgd")()
@@ -194,14 +192,9 @@ def accumulated_equivalence(task_index: int, num_workers: int, recipe: str = "ac
     import tensorflow as tf
 
     from distgrad.accumulator import GradientAccumulator
-    from distgrad.collectives import count_collectives
-    from distgrad.equivalence import (
-        per_example_squared_error,
-        regression_data,
-        tiny_model,
-        weight_diff,
-        weights_of,
-    )
+    from distgrad.lab.compare import weight_diff, weights_of
+    from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
+    from distgrad.lab.graph import count_collectives
     from distgrad.optimizer import AccumulatingOptimizer
 
     if recipe not in ("accumulator", "optimizer"):

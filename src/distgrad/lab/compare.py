@@ -1,10 +1,8 @@
-"""Tiny deterministic models and data, and the weight comparison every proof ends with.
+"""The weight comparison every proof ends with, its tolerances, and the optimizer table.
 
 Equivalence is the course's core proof: two training recipes that should compute the
-same update (2 replicas vs 1 device, k accumulated micro-batches vs one big batch) are
+same update (R replicas vs 1 device, k accumulated micro-batches vs one big batch) are
 run from identical initial weights on identical data, and their weights compared.
-Models here are deliberately small and free of randomness at train time (no dropout,
-no BatchNorm), and initializers are seeded, so two builds give bit-identical weights.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import dataclasses
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 # float32 tolerances used by every equivalence check (see DEVELOPERS.md: never loosen).
 FLOAT32_RTOL = 1e-6
@@ -21,50 +18,13 @@ FLOAT32_ATOL = 1e-6
 
 
 # The optimizers every equivalence sweep runs: plain, stateful (momentum), adaptive
-# (Adam: bias correction counts updates), and decoupled weight decay.
+# (Adam: bias correction counts updates), and decoupled weight decay (AdamW).
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
     "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
-}
-OPTIMIZERS_WITH_WEIGHT_DECAY = {
-    **OPTIMIZERS,
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
 }
-
-
-def regression_data(examples: int = 32, features: int = 4, outputs: int = 1, seed: int = 0):
-    """`(x, y)` float32 arrays of a noisy linear target: shapes (examples, features/outputs)."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(examples, features)).astype("float32")
-    w = rng.normal(size=(features, outputs)).astype("float32")
-    y = (x @ w + 0.1 * rng.normal(size=(examples, outputs))).astype("float32")
-    return x, y
-
-
-def tiny_model(features: int = 4, hidden: int = 8, outputs: int = 1, seed: int = 0,
-               dtype_policy=None) -> keras.Model:
-    """A 2-layer MLP with seeded initializers: same `seed`, same initial weights.
-
-    Create it under `strategy.scope()` to get mirrored variables.
-    """
-    init = keras.initializers.GlorotUniform
-    layers = [
-        keras.Input((features,)),
-        keras.layers.Dense(hidden, activation="tanh", kernel_initializer=init(seed=seed),
-                           bias_initializer="zeros", dtype=dtype_policy),
-        keras.layers.Dense(outputs, kernel_initializer=init(seed=seed + 1),
-                           bias_initializer="zeros", dtype=dtype_policy),
-    ]
-    if dtype_policy is not None:
-        # Mixed precision: keep the output in float32 so losses are computed in float32.
-        layers.append(keras.layers.Activation("linear", dtype="float32"))
-    return keras.Sequential(layers)
-
-
-def per_example_squared_error(y_true, y_pred):
-    """Per-example mean squared error, shape (batch,): the loss before any reduction."""
-    return tf.reduce_mean(tf.square(tf.cast(y_pred, tf.float32) - y_true), axis=-1)
 
 
 def weights_of(model_or_variables) -> list[np.ndarray]:
@@ -141,26 +101,12 @@ def update_ratio(update, reference_update) -> float:
     return float(u @ r / (r @ r))
 
 
-def big_batch_reference(optimizer_factory, x, y, steps: int = 1, model_factory=tiny_model,
-                        loss_fn=per_example_squared_error) -> list[np.ndarray]:
-    """Weights after `steps` plain steps on the whole `(x, y)` batch, one device, no strategy.
-
-    `optimizer_factory()` returns a fresh Keras optimizer. This is the reference every
-    distributed or accumulated recipe must match.
-    """
-    with tf.distribute.get_strategy().scope():
-        model = model_factory()
-        optimizer = optimizer_factory()
-    optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(loss_fn(yb, model(xb, training=True)))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    for _ in range(steps):
-        step(tf.constant(x), tf.constant(y))
-    return weights_of(model)
+def mirrored_copies_agree(variables) -> bool:
+    """True when every per-device copy of every mirrored variable holds the same value."""
+    for variable in variables:
+        inner = getattr(variable, "value", variable)
+        copies = getattr(inner, "values", (inner,))
+        first = np.asarray(copies[0])
+        if any(not np.array_equal(first, np.asarray(c)) for c in copies[1:]):
+            return False
+    return True
