@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Extras every target needs (the lessons run tf-keras children; `make test` builds the site).
+EXTRAS := course,docs,test,legacy
 # Executed copies of the lessons land here; mkdocs renders them with their outputs.
 EXECUTED := docs/lessons
 NOTEBOOK_TIMEOUT ?= 900
@@ -19,7 +21,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[legacy,dev]'
+	$(PY) -m pip install -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # Execute every lesson (nbmake writes the outputs into the copies), then build the site.

@@ -1,4 +1,4 @@
-"""Measurements on runners: paired interleaved timing, all-reduce counts, memory.
+"""Measurements on runners: paired interleaved timing, all-reduces, op time, memory.
 
 Timing. A shared machine's load changes from second to second, so the runners of one
 group are timed *round-robin*: in each round every runner trains one block (the same
@@ -10,31 +10,30 @@ block is recorded too, and compared the same way.
 
 All-reduces, three ways, for one accumulated update (k micro-batches):
 
-* **graph**: `distgrad.pitfalls.mask_trick.all_reduce_placement` /
-  `fit_step_placement` on each traced function: all-reduces that run on every call, and
+* **graph**: `distgrad.lab.graph.all_reduce_placement` / `fit_step_placement` on
+  each traced function: all-reduces that run on every call, and
   those inside a `tf.cond` branch (run only when it is taken);
 * **derived**: graph counts x how often each ran: calls counted by the runner (fit's
   `on_train_batch_end`, loop iterations), cond-branch runs from the wrapped optimizer's
   `iterations` (updates actually made);
-* **measured**: executed all-reduce kernels in a TensorFlow profiler trace
-  (`tf.profiler.experimental`, host tracer level 2, `*.xplane.pb` parsed with
-  `tensorflow.tsl.profiler.protobuf.xplane_pb2`): events named `<op name>:<op type>`
-  with an all-reduce op type, divided by the replica count. A count that is not a
-  multiple of the replica count is an incomplete trace and is retaken (`all_reduce_record`).
+* **measured**: executed all-reduce kernels in a TensorFlow profiler trace of the
+  update (`benchmarks.trace`), divided by the replica count. A count that is not a
+  multiple of the replica count is an incomplete trace and is retaken (`traced_update`).
+
+The same trace gives the op time of the accumulation's own kernels (`trace.op_time`).
+Memory: allocator bytes of one update in this process (`allocator_record`), peak RSS of
+three configurations in fresh processes (`fresh_process_memory`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
-import glob
 import statistics
-import tempfile
 import time
 
-import tensorflow as tf
-
-from distgrad.lab.graph import ALL_REDUCE_OP_TYPES
-from distgrad.memory import allocator_device, measure_step_memory
+from benchmarks import trace
+from distgrad.lab.memory import allocator_device, fresh_process_step_memory, measure_step_memory
 
 
 def summary(values) -> dict:
@@ -101,64 +100,24 @@ def derived_all_reduces(placement: dict, before: dict, after: dict) -> int:
     return total
 
 
-def all_reduce_events(xspace_bytes: bytes) -> int:
-    """Executed all-reduce kernels in a serialized `XSpace` (host planes only).
+def traced_update(runner, updates: int = 1, with_graph: bool = True,
+                  attempts: int = 3) -> tuple[dict, dict]:
+    """`(all-reduce record, op-time record)` of `updates` updates, from one trace.
 
-    The host tracer names each executed op `<op name>:<op type>`; device planes (GPU
-    kernels) are left out so an op is not counted twice.
-    """
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    space.ParseFromString(xspace_bytes)
-    count = 0
-    for plane in space.planes:
-        if not plane.name.startswith("/host:"):
-            continue
-        op_types = {mid: md.name.rpartition(":")[2] for mid, md in plane.event_metadata.items()}
-        for line in plane.lines:
-            count += sum(op_types.get(ev.metadata_id) in ALL_REDUCE_OP_TYPES
-                         for ev in line.events)
-    return count
-
-
-def profiled_kernels(fn) -> int:
-    """Executed all-reduce kernels (all replicas) in a profiler trace of `fn()`.
-
-    Raises RuntimeError if the profiler wrote no trace.
-    """
-    with tempfile.TemporaryDirectory(prefix="distgrad-profile-") as logdir:
-        options = tf.profiler.experimental.ProfilerOptions(
-            host_tracer_level=2, python_tracer_level=0, device_tracer_level=0)
-        tf.profiler.experimental.start(logdir, options=options)
-        try:
-            fn()
-        finally:
-            tf.profiler.experimental.stop()
-        files = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-        if not files:
-            raise RuntimeError(f"the profiler wrote no *.xplane.pb under {logdir}.")
-        kernels = 0
-        for path in files:
-            with open(path, "rb") as f:
-                kernels += all_reduce_events(f.read())
-    return kernels
-
-
-def all_reduce_record(runner, updates: int = 1, with_graph: bool = True,
-                      attempts: int = 3) -> dict:
-    """Graph, derived and profiler-measured all-reduces per accumulated update.
-
-    The host tracer occasionally drops an event (seen here on CPU, rarely): a kernel count that is not a multiple of the replica count is an
-    incomplete trace, so the update is run and traced again, up to `attempts` times; the
-    record says how many traces it took. Raises ValueError if every trace was incomplete.
+    All-reduces per update: graph, derived and profiler-measured (`trace`); op time by
+    kernel category (`trace.op_time`) of the same trace. The host tracer occasionally
+    drops an event (seen here on CPU, rarely): a kernel count that is not a multiple of
+    the replica count is an incomplete trace, so the update is run and traced again, up
+    to `attempts` times; the record says how many traces it took. Raises ValueError if
+    every trace was incomplete.
     """
     record = {}
     placement = placement_record(runner) if with_graph else None
     before = runner.executions()
     traces = []
     for _ in range(attempts):
-        traces.append(profiled_kernels(lambda: runner.run(updates)))
+        spaces = trace.profile(lambda: runner.run(updates))
+        traces.append(sum(trace.all_reduce_events(space) for space in spaces))
         if traces[-1] % runner.replicas == 0:
             break
     else:
@@ -175,7 +134,7 @@ def all_reduce_record(runner, updates: int = 1, with_graph: bool = True,
                    "branch_runs": (after[name][1] - before[name][1]) / ran}
             for name in placement}
         record["derived_per_update"] = derived_all_reduces(placement, before, after) / ran
-    return record
+    return record, trace.op_time(spaces, updates)
 
 
 # --- memory --------------------------------------------------------------------------
@@ -189,3 +148,32 @@ def allocator_record(runner, physical_gpus: int) -> dict:
     return {"device": step.device, "current_before": step.current_before, "peak": step.peak,
             "step_bytes": step.step_bytes,
             "state_bytes_per_replica": runner.state_bytes_per_replica()}
+
+
+FRESH_CONFIGS = ("micro_batching", "plain_micro_batch", "plain_big_batch")
+
+
+def fresh_process_memory(sizes, k: int, replicas: int, physical_gpus: int, log=print,
+                         timeout: float = 600) -> list:
+    """Peak RSS and allocator bytes of micro-batching vs plain B/k vs plain B, each in a
+    fresh process (`distgrad.lab.memory.fresh_process_step_memory`)."""
+    big = k * sizes.micro_batch
+    steps_and_batch = dict(zip(FRESH_CONFIGS, ((k, big), (1, sizes.micro_batch), (1, big))))
+
+    def one(name):
+        steps, batch = steps_and_batch[name]
+        t0 = time.perf_counter()
+        m = fresh_process_step_memory(steps, batch, sizes.features, sizes.hidden,
+                                      sizes.layers, replicas, timed_steps=1, timeout=timeout)
+        log(f"fresh process {name}: peak RSS {m.rss_peak / 2**20:.0f} MiB "
+            f"({time.perf_counter() - t0:.1f} s)")
+        return {"config": name, "micro_batches": steps, "batch_size": batch,
+                "replicas": replicas, "rss_before": m.rss_before, "rss_peak": m.rss_peak,
+                "rss_growth": m.rss_growth, "allocator_device": m.step.device,
+                "allocator_step_bytes": m.step.step_bytes}
+
+    # On CPU concurrently: each process' peak RSS and allocator statistic are its own,
+    # and no time is reported from these processes. On GPUs one at a time: each process
+    # reserves its logical GPUs' memory.
+    with concurrent.futures.ThreadPoolExecutor(1 if physical_gpus else len(FRESH_CONFIGS)) as pool:
+        return list(pool.map(one, FRESH_CONFIGS))

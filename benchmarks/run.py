@@ -1,32 +1,32 @@
-"""Run every benchmark in one process; write JSON, markdown, plots and the docs page.
+"""Run every benchmark in one process; write the JSON, the page's tables and plots.
 
-    .venv/bin/python -m benchmarks.run              # docs/performance/ + docs/performance.md
+    .venv/bin/python -m benchmarks.run              # docs/performance/ (docs/performance.md
+                                                    # includes its tables)
     .venv/bin/python -m benchmarks.run --quick      # smoke size -> benchmarks/results/quick/
-    .venv/bin/python -m benchmarks.run --report-only  # re-render page/plots from the JSON
+    .venv/bin/python -m benchmarks.run --report-only  # re-render tables/plots from the JSON
 
 What runs, in order (see `benchmarks.approaches` for the runners):
 
 1. **main**: every approach at k = `--k` (default 4), without a strategy and under
    `MirroredStrategy` with `--replicas` replicas, `repeats` interleaved rounds;
-2. **all-reduces** of one update for every runner of the distributed main group (graph,
-   derived, profiler-measured), and **allocator memory** of one update;
+2. a **profiler trace** of one update of every runner of both main groups: all-reduces
+   (graph, derived and measured in the distributed group) and the accumulation's own
+   kernels' share of op time (`benchmarks.trace`); **allocator memory** of one update;
 3. **scaling in k**: our approaches and the baselines at every k of `--ks`, distributed
    (profiler all-reduce counts included);
 4. **scaling in replicas**: the same at k = `--k` on one replica (MirroredStrategy over
    one device); the no-strategy and distributed points come from the main groups;
 5. **peak RSS** of micro-batching vs plain B/k vs plain B, each in a fresh process
-   (`python -m distgrad.memory`, as `distgrad.memory.fresh_process_step_memory` runs it,
-   but through a trampoline: see `_fresh_process_memory`).
+   (`benchmarks.measure.fresh_process_memory`).
 
 On a machine with GPUs the replicas are GPUs (`distgrad.make_strategy`), the `gpu`
 size preset is used, and the files get a `-gpu` suffix, so CPU and GPU results live
-side by side and the page shows both.
+side by side and the page shows both (`benchmarks.report`).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import datetime
 import gc
@@ -45,7 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # `python benchmarks/run.py`: make `benchmarks` importable
     sys.path.insert(0, str(ROOT))
 DOCS_OUT = ROOT / "docs" / "performance"
-DOCS_PAGE = ROOT / "docs" / "performance.md"
 QUICK_OUT = ROOT / "benchmarks" / "results" / "quick"
 SCHEMA = 1
 SECTIONS = ("main", "scaling_k", "scaling_replicas", "fresh_processes")
@@ -67,11 +66,8 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=None, help="override the preset's rounds")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default docs/performance; quick: benchmarks/results/quick)")
-    parser.add_argument("--page", type=Path, default=None,
-                        help="markdown page to write (default docs/performance.md with the "
-                             "default --out, else OUT/performance.md)")
     parser.add_argument("--report-only", action="store_true",
-                        help="only re-render markdown, plots and page from OUT/results*.json")
+                        help="only re-render the tables and plots from OUT/results*.json")
     parser.add_argument("--require-gpu", action="store_true",
                         help="exit with an error unless TensorFlow sees a GPU (benchmarks/gpu.sh)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
@@ -82,8 +78,6 @@ def _parse(argv):
 def _defaults(args):
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DOCS_OUT
-    if args.page is None:
-        args.page = DOCS_PAGE if args.out.resolve() == DOCS_OUT.resolve() else args.out / "performance.md"
     if args.k is None:
         args.k = 2 if args.quick else 4
     ks = args.ks or ("1,2" if args.quick else "1,2,4,8")
@@ -118,84 +112,80 @@ def _plain_text(message: str) -> str:
     return _ANSI.sub("", message)
 
 
-def _row(runner_or_failed, times=None, baseline_times=None, micro_batches=None,
-         cpu_times=None, cpu_baseline=None):
-    from benchmarks.approaches import Failed
+def _failed_row(failed) -> dict:
+    return {"key": failed.key, "label": failed.label, "path": failed.path,
+            "role": failed.role, "ours": failed.ours,
+            "status": "error" if failed.error else "not run",
+            "error": None if failed.error is None else
+            {"type": failed.error.type, "message": _plain_text(failed.error.message)},
+            "reason": failed.reason}
+
+
+def _timed_row(runner, micro_batches, times, cpu_times, baseline=None, cpu_baseline=None):
     from benchmarks.measure import paired_ratios, summary
 
-    if isinstance(runner_or_failed, Failed):
-        failed = runner_or_failed
-        return {"key": failed.key, "label": failed.label, "path": failed.path,
-                "role": failed.role, "ours": failed.ours,
-                "status": "error" if failed.error else "not run",
-                "error": None if failed.error is None else
-                {"type": failed.error.type, "message": _plain_text(failed.error.message)},
-                "reason": failed.reason}
-    row = {**runner_or_failed.describe(), "status": "ok", "seconds": times,
-           "cpu_seconds": cpu_times,
-           "ms_per_micro_batch": summary([1e3 * t / micro_batches for t in times]),
-           "cpu_ms_per_micro_batch": summary([1e3 * t / micro_batches for t in cpu_times])}
-    if baseline_times is not None:
-        ratios = paired_ratios(times, baseline_times)
-        row["vs_baseline"] = summary(ratios)
-        row["overhead_percent"] = summary([100.0 * (r - 1.0) for r in ratios])
-        cpu_ratios = paired_ratios(cpu_times, cpu_baseline)
-        row["cpu_overhead_percent"] = summary([100.0 * (r - 1.0) for r in cpu_ratios])
+    row = {**runner.describe(), "status": "ok", "seconds": times, "cpu_seconds": cpu_times}
+    for key, values in (("ms_per_micro_batch", times), ("cpu_ms_per_micro_batch", cpu_times)):
+        row[key] = summary([1e3 * t / micro_batches for t in values])
+    if baseline is not None:
+        row["vs_baseline"] = summary(paired_ratios(times, baseline))
+        for key, mine, theirs in (("overhead_percent", times, baseline),
+                                  ("cpu_overhead_percent", cpu_times, cpu_baseline)):
+            row[key] = summary([100.0 * (r - 1.0) for r in paired_ratios(mine, theirs)])
     return row
 
 
 def _time_group(name, strategy_name, strategy, classes, sizes, k, repeats, physical_gpus,
-                all_reduces: str = "none", memory: bool = False) -> dict:
-    """Build `classes` at k under `strategy`, time them round-robin; one group record."""
+                traced: str = "none", memory: bool = False) -> dict:
+    """Build `classes` at k under `strategy`, time them round-robin; one group record.
+
+    `traced`: "none", "measured" (a profiler trace of one update: measured all-reduces
+    and op time) or "graph" (also the graph placement and derived counts).
+    """
     from benchmarks import approaches
-    from benchmarks.measure import all_reduce_record, allocator_record, timed_rounds
+    from benchmarks.measure import allocator_record, timed_rounds, traced_update
+    from benchmarks.runners import Failed, block_data
 
     started = time.perf_counter()
     load = os.getloadavg()
-    x, y = approaches.block_data(sizes, k)
+    x, y = block_data(sizes, k)
     built = []
     for cls in classes:
         t0 = time.perf_counter()
         built.append(approaches.build(cls, strategy, sizes, k, x, y))
-        status = "ok" if not isinstance(built[-1], approaches.Failed) else "not run"
+        status = "not run" if isinstance(built[-1], Failed) else "ok"
         _log(f"{name} {strategy_name} k={k}: built {cls.key} ({status}, "
              f"{time.perf_counter() - t0:.1f} s)")
-    runners = [r for r in built if not isinstance(r, approaches.Failed)]
+    runners = [r for r in built if not isinstance(r, Failed)]
     for runner in runners:  # a second untimed run: caches warm, allocator settled
         runner.run(1)
     updates = sizes.block_updates(k)
     micro_batches = updates * k
     times, cpu_times = timed_rounds(runners, lambda r: updates, repeats)
-    baseline_times = {r.path: times[r.key] for r in runners if r.role == "baseline"}
-    cpu_baseline = {r.path: cpu_times[r.key] for r in runners if r.role == "baseline"}
+    baseline = {r.path: r.key for r in runners if r.role == "baseline"}
     rows = []
     for item in built:
-        if isinstance(item, approaches.Failed):
-            rows.append(_row(item))
+        if isinstance(item, Failed):
+            rows.append(_failed_row(item))
             continue
         # Every runner but the baselines is compared with its path's plain step (the
         # floor too: its ratio is the share of a step that is not compute).
-        compare = item.role != "baseline"
-        rows.append(_row(item, times[item.key],
-                         baseline_times.get(item.path) if compare else None, micro_batches,
-                         cpu_times[item.key], cpu_baseline.get(item.path) if compare else None))
+        base = baseline.get(item.path) if item.role != "baseline" else None
+        rows.append(_timed_row(item, micro_batches, times[item.key], cpu_times[item.key],
+                               times.get(base), cpu_times.get(base)))
     by_key = {r.key: r for r in runners}
-    if all_reduces != "none":
-        for row in rows:
-            runner = by_key.get(row["key"])
-            if runner is None or runner.role == "floor":
-                continue
+    measured = [(row, by_key[row["key"]]) for row in rows
+                if row["key"] in by_key and by_key[row["key"]].role != "floor"]
+    if traced != "none":
+        for row, runner in measured:
             try:
-                row["all_reduces"] = all_reduce_record(runner, updates=1,
-                                                       with_graph=all_reduces == "graph")
+                row["all_reduces"], row["op_time"] = traced_update(
+                    runner, updates=1, with_graph=traced == "graph")
             except Exception as err:  # noqa: BLE001 - recorded on the row
                 row["all_reduces"] = {"error": f"{type(err).__name__}: {err}"}
-        _log(f"{name} {strategy_name} k={k}: all-reduces counted")
+        _log(f"{name} {strategy_name} k={k}: profiler traces taken")
     if memory:
-        for row in rows:
-            runner = by_key.get(row["key"])
-            if runner is None or runner.role == "floor":
-                continue
+        for row, runner in measured:
             row["memory"] = allocator_record(runner, physical_gpus)
         _log(f"{name} {strategy_name} k={k}: allocator memory measured")
     record = {"section": name, "strategy": strategy_name,
@@ -203,51 +193,10 @@ def _time_group(name, strategy_name, strategy, classes, sizes, k, repeats, physi
               "updates_per_block": updates, "micro_batches_per_block": micro_batches,
               "load_average_at_start": list(load), "seconds": time.perf_counter() - started,
               "rows": rows}
-    del built, runners, by_key
+    del built, runners, by_key, measured
     gc.collect()
     _log(f"{name} {strategy_name} k={k}: done in {record['seconds']:.1f} s")
     return record
-
-
-# Started from this (large) process, a child's `ru_maxrss` would start at *our* peak RSS:
-# Linux carries the pre-exec memory map's high-water mark into the exec'd program's
-# rusage (fs/exec.c, setmax_mm_hiwater_rss), and Python's subprocess shares that map
-# (vfork). A tiny trampoline process in between makes the floor its own few MB.
-_TRAMPOLINE = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
-
-
-def _fresh_process_memory(sizes, k, replicas, physical_gpus, timeout: float = 600) -> list:
-    """Peak RSS and allocator bytes of micro-batching vs plain B/k vs plain B, each in a
-    fresh `python -m distgrad.memory` (`distgrad.memory._workload`)."""
-    big = k * sizes.micro_batch
-    configs = [("micro_batching", k, big), ("plain_micro_batch", 1, sizes.micro_batch),
-               ("plain_big_batch", 1, big)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-
-    def one(config):
-        name, micro_batches, batch = config
-        t0 = time.perf_counter()
-        args = [str(a) for a in (micro_batches, batch, sizes.features, sizes.hidden,
-                                 sizes.layers, replicas, 1)]
-        done = subprocess.run([sys.executable, "-c", _TRAMPOLINE, sys.executable, "-m",
-                               "distgrad.memory", *args], capture_output=True, text=True,
-                              env=env, timeout=timeout, check=False)
-        if done.returncode:
-            raise RuntimeError(f"fresh process {name} failed:\n{done.stderr[-3000:]}")
-        m = json.loads(done.stdout.strip().splitlines()[-1])
-        step = m["step"]
-        _log(f"fresh process {name}: peak RSS {m['rss_peak'] / 2**20:.0f} MiB "
-             f"({time.perf_counter() - t0:.1f} s)")
-        return {"config": name, "micro_batches": micro_batches, "batch_size": batch,
-                "replicas": replicas, "rss_before": m["rss_before"], "rss_peak": m["rss_peak"],
-                "rss_growth": m["rss_peak"] - m["rss_before"], "allocator_device": step["device"],
-                "allocator_step_bytes": step["peak"] - step["current_before"]}
-
-    # On CPU concurrently: each process' peak RSS and allocator statistic are its own,
-    # and no time is reported from these processes. On GPUs one at a time: each process
-    # reserves its logical GPUs' memory.
-    with concurrent.futures.ThreadPoolExecutor(1 if physical_gpus else len(configs)) as pool:
-        return list(pool.map(one, configs))
 
 
 def measure(args) -> dict:
@@ -261,17 +210,16 @@ def measure(args) -> dict:
     replica_devices(args.replicas)  # logical devices first, before any other TF work
     import tensorflow as tf
 
-    from benchmarks import approaches
+    from benchmarks import approaches, fit_runners, measure as measures, runners
 
     physical_gpus = len(tf.config.list_physical_devices("GPU"))
     if args.require_gpu and not physical_gpus:
         raise SystemExit("benchmarks: no GPU visible to TensorFlow; this run measures GPU "
                          "figures only. Install tensorflow[and-cuda] (docs/guides/gpu.md).")
     preset = args.preset or ("quick" if args.quick else "gpu" if physical_gpus else "cpu")
-    sizes = approaches.PRESETS[preset]
+    sizes = runners.PRESETS[preset]
     if args.repeats:
-        sizes = dataclasses.replace(sizes, repeats=args.repeats,
-                                               scaling_repeats=args.repeats)
+        sizes = dataclasses.replace(sizes, repeats=args.repeats, scaling_repeats=args.repeats)
     # One strategy object per replica count, reused by every runner (make_strategy caches
     # one per device set): two MirroredStrategy objects over the same devices start from
     # the same collective group and instance keys (cross_device_utils.CollectiveKeys,
@@ -287,36 +235,30 @@ def measure(args) -> dict:
     main_classes = list(approaches.MAIN_ORDER)
     if preset == "quick":  # the floors are plain runners on another model: same code
         main_classes = [c for c in main_classes if c.role != "floor"]
-    scaling_classes = [approaches.PlainFit, approaches.PlainCustom, *approaches.OURS]
-    fresh_future = None
-    if "fresh_processes" in args.sections:
-        # After every timing, so nothing else competes for the cores while timing.
-        fresh_pool = concurrent.futures.ThreadPoolExecutor(1)
-        fresh_start = lambda: fresh_pool.submit(
-            _fresh_process_memory, sizes, args.k, args.replicas, physical_gpus)
+    scaling_classes = list(approaches.SCALING)
     groups = []
     if "main" in args.sections:
         groups.append(_time_group("main", "none", strategies["none"], main_classes, sizes,
-                                  args.k, sizes.repeats, physical_gpus))
+                                  args.k, sizes.repeats, physical_gpus, traced="measured"))
         groups.append(_time_group("main", distributed, strategies[distributed], main_classes,
                                   sizes, args.k, sizes.repeats, physical_gpus,
-                                  all_reduces="graph", memory=True))
+                                  traced="graph", memory=True))
     if "scaling_k" in args.sections:
         for k in args.ks:
             if k == args.k and "main" in args.sections:
                 continue
             groups.append(_time_group("scaling_k", distributed, strategies[distributed],
                                       scaling_classes, sizes, k, sizes.scaling_repeats,
-                                      physical_gpus, all_reduces="measured"))
+                                      physical_gpus, traced="measured"))
     if "scaling_replicas" in args.sections:
         groups.append(_time_group("scaling_replicas", "R1", strategies["R1"], scaling_classes,
                                   sizes, args.k, sizes.scaling_repeats, physical_gpus,
-                                  all_reduces="measured"))
-    if "fresh_processes" in args.sections and fresh_future is None:
-        fresh_future = fresh_start()
-    fresh = fresh_future.result() if fresh_future is not None else []
-    pypi_version, pypi_error = approaches.pypi_package_status()
-    pypi_optimizer = (approaches.pypi_optimizer_error()
+                                  traced="measured"))
+    # After every timing, so nothing else competes for the cores while timing.
+    fresh = (measures.fresh_process_memory(sizes, args.k, args.replicas, physical_gpus, _log)
+             if "fresh_processes" in args.sections else [])
+    pypi_version, pypi_error = fit_runners.pypi_package_status()
+    pypi_optimizer = (fit_runners.pypi_optimizer_error()
                       if pypi_version and pypi_error is None else None)
     return {
         "schema": SCHEMA,
@@ -333,12 +275,12 @@ def measure(args) -> dict:
         "git_commit": _git_commit(),
         "environment": distgrad.environment_report(strategies[distributed]),
         "sizes": dataclasses.asdict(sizes),
-        "optimizer": f"keras.optimizers.SGD(learning_rate={approaches.LEARNING_RATE})",
+        "optimizer": f"keras.optimizers.SGD(learning_rate={runners.LEARNING_RATE})",
         "k": args.k,
         "ks": args.ks,
         "sections": args.sections,
         "replicas": args.replicas,
-        "pypi_package": {"name": approaches.PYPI_PACKAGE, "version": pypi_version,
+        "pypi_package": {"name": fit_runners.PYPI_PACKAGE, "version": pypi_version,
                          "import_error": None if pypi_error is None else
                          {"type": pypi_error.type, "message": pypi_error.message},
                          "optimizer_error": None if pypi_optimizer is None else
@@ -349,10 +291,6 @@ def measure(args) -> dict:
     }
 
 
-def results_name(label: str) -> str:
-    return "results.json" if label == "cpu" else f"results-{label}.json"
-
-
 def main(argv=None) -> int:
     args = _defaults(_parse(argv))
     from benchmarks import report
@@ -360,10 +298,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         results = measure(args)
-        path = args.out / results_name(results["label"])
+        path = report.results_file(args.out, results["label"])
         path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
         _log(f"wrote {path} ({results['wall_seconds']:.0f} s)")
-    written = report.render_all(args.out, args.page)
+    written = report.render_all(args.out)
     for path in written:
         _log(f"wrote {path}")
     return 0

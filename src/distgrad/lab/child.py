@@ -144,7 +144,8 @@ class Child:
         self._result_path = os.path.join(self._dir.name, "result.json")
         with open(kwargs_path, "w") as f:
             json.dump(kwargs or {}, f)
-        self._stderr = open(os.path.join(self._dir.name, "stderr.txt"), "w+")
+        self._stderr = open(  # noqa: SIM115 - open until result() reads and closes it
+            os.path.join(self._dir.name, "stderr.txt"), "w+")
         child_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         for name, value in (env or {}).items():
             if value is None:
@@ -231,7 +232,7 @@ def _main(argv: list[str]) -> None:
             kwargs = json.load(f)
         text = json.dumps({"value": to_json(resolve(target)(**kwargs)), "error": None})
         code = 0
-    except Exception as err:  # reported to the parent, which decides
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
         traceback.print_exc()
         text = json.dumps({"value": None,
                            "error": {"type": type(err).__name__, "message": str(err)}})

@@ -27,15 +27,12 @@ branch is unit-tested on CPU machines.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 import platform
 import resource
-import subprocess
-import sys
 import time
+
+from distgrad.lab.child import run_child
 
 
 def ru_maxrss_bytes(ru_maxrss: int, system: str | None = None) -> int:
@@ -127,14 +124,14 @@ def allocator_counts(nbytes: int, device: str = "CPU:0") -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class FreshProcessMeasurement:
-    """What `fresh_process_step_memory` measured for one `micro_batches` setting.
+    """What `fresh_process_step_memory` measured for one `accumulation_steps` setting.
 
     `rss_before` / `rss_peak`: current RSS before the first `fit` and the lifetime
     peak after it (tracing included). `step`: allocator bytes of one steady-state
     step. `step_seconds`: the fastest of `timed_steps` steady-state steps.
     """
 
-    micro_batches: int
+    accumulation_steps: int
     replicas: int
     batch_size: int
     rss_before: int
@@ -147,7 +144,7 @@ class FreshProcessMeasurement:
         return self.rss_peak - self.rss_before
 
 
-def wide_mlp(features: int, hidden: int, layers: int, micro_batches: int):
+def wide_mlp(features: int, hidden: int, layers: int, accumulation_steps: int):
     """A `MicroBatchingModel` tanh MLP (`layers` x `hidden`) compiled with SGD and MSE.
 
     Wide on purpose: its backward pass keeps `layers` activations of shape
@@ -162,7 +159,8 @@ def wide_mlp(features: int, hidden: int, layers: int, micro_batches: int):
     h = inputs
     for _ in range(layers):
         h = keras.layers.Dense(hidden, activation="tanh")(h)
-    model = MicroBatchingModel(inputs, keras.layers.Dense(1)(h), accumulation_steps=micro_batches)
+    model = MicroBatchingModel(inputs, keras.layers.Dense(1)(h),
+                               accumulation_steps=accumulation_steps)
     model.compile(keras.optimizers.SGD(0.01), "mse")
     return model
 
@@ -188,55 +186,44 @@ def profile_fit_step(model, x, y, batch_size: int, timed_steps: int = 3,
     return step, min(times)
 
 
-def _workload(micro_batches: int, batch_size: int, features: int, hidden: int, layers: int,
-              replicas: int, timed_steps: int) -> dict:
-    import distgrad
+def workload(accumulation_steps: int, batch_size: int, features: int, hidden: int,
+             layers: int, replicas: int, timed_steps: int) -> dict:
+    """In a fresh process: fit `wide_mlp` once, then measure; the fields of
+    `FreshProcessMeasurement` as a dict (what `fresh_process_step_memory` runs)."""
+    from distgrad.devices import make_strategy
 
-    strategy = distgrad.make_strategy(replicas)
+    strategy = make_strategy(replicas)
     import numpy as np
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size, features)).astype("float32")
     y = rng.normal(size=(batch_size, 1)).astype("float32")
     with strategy.scope():
-        model = wide_mlp(features, hidden, layers, micro_batches)
+        model = wide_mlp(features, hidden, layers, accumulation_steps)
     rss_before = current_rss_bytes()
     model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # trace + first step
     rss_peak = peak_rss_bytes()
     step, seconds = profile_fit_step(model, x, y, batch_size, timed_steps)
-    return {"micro_batches": micro_batches, "replicas": replicas, "batch_size": batch_size,
-            "rss_before": rss_before, "rss_peak": rss_peak, "step": dataclasses.asdict(step),
-            "step_seconds": seconds}
+    return {"accumulation_steps": accumulation_steps, "replicas": replicas,
+            "batch_size": batch_size, "rss_before": rss_before, "rss_peak": rss_peak,
+            "step": dataclasses.asdict(step), "step_seconds": seconds}
 
 
-def fresh_process_step_memory(micro_batches: int, batch_size: int = 2048, features: int = 256,
-                              hidden: int = 1024, layers: int = 3, replicas: int = 1,
-                              timed_steps: int = 3, timeout: float = 300) -> FreshProcessMeasurement:
+def fresh_process_step_memory(accumulation_steps: int, batch_size: int = 2048,
+                              features: int = 256, hidden: int = 1024, layers: int = 3,
+                              replicas: int = 1, timed_steps: int = 3,
+                              timeout: float = 300) -> FreshProcessMeasurement:
     """Train a wide tanh MLP with `MicroBatchingModel` in a new Python process; measure.
 
-    One global batch of `batch_size` examples per step, `micro_batches` slices per
-    replica. A new process per call, so the peak RSS belongs to this configuration
-    only. Raises RuntimeError with the child's stderr if it fails.
+    One global batch of `batch_size` examples per step, `accumulation_steps` slices per
+    replica. A new process per call (`distgrad.lab.child`, started through a trampoline
+    so that its peak RSS is its own, not this process'), so the peak RSS belongs to
+    this configuration only. Raises `ChildError` (a RuntimeError) with the child's
+    stderr tail if it fails, TimeoutError past `timeout` seconds.
     """
-    args = [str(a) for a in (micro_batches, batch_size, features, hidden, layers, replicas,
-                             timed_steps)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run([sys.executable, "-m", "distgrad.memory", *args],
-                          capture_output=True, text=True, env=env, timeout=timeout, check=False)
-    if done.returncode:
-        raise RuntimeError(f"measurement process failed:\n{done.stderr[-3000:]}")
-    record = json.loads(done.stdout.strip().splitlines()[-1])
+    record = run_child("distgrad.lab.memory:workload", {
+        "accumulation_steps": accumulation_steps, "batch_size": batch_size,
+        "features": features, "hidden": hidden, "layers": layers, "replicas": replicas,
+        "timed_steps": timed_steps}, timeout=timeout, trampoline=True).value
     record["step"] = StepMemory(**record["step"])
     return FreshProcessMeasurement(**record)
-
-
-def _main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=fresh_process_step_memory.__doc__)
-    for name in ("micro_batches", "batch_size", "features", "hidden", "layers", "replicas",
-                 "timed_steps"):
-        parser.add_argument(name, type=int)
-    print(json.dumps(_workload(**vars(parser.parse_args(argv)))))
-
-
-if __name__ == "__main__":
-    _main()

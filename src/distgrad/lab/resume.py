@@ -1,6 +1,6 @@
 """Resume training mid-accumulation in a *fresh process*, with `AccumulatingOptimizer`.
 
-Process 1 trains `AccumulatingOptimizer(Adam, steps)` with `model.fit` for part of the
+Process 1 trains `AccumulatingOptimizer(Adam, ACCUMULATION_STEPS)` with `model.fit` for part of the
 data, stopping inside an accumulation cycle, and saves the model (`model.save`, which
 includes the optimizer: inner slots, `micro_steps`, the float32 accumulators). Process
 2 — a new Python, a new TensorFlow runtime — loads it under its own strategy and fits
@@ -9,16 +9,15 @@ the rest. Its final weights must equal one uninterrupted run.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 
+from distgrad.lab.child import run_child
+
 EXAMPLES = 32
 MICRO_BATCH = 4
-STEPS = 4
+ACCUMULATION_STEPS = 4
 SPLIT = 6 * MICRO_BATCH  # 1 update done, 2 micro-batches of the next cycle accumulated
 
 
@@ -27,7 +26,7 @@ def _optimizer():
 
     from distgrad.optimizer import AccumulatingOptimizer
 
-    return AccumulatingOptimizer(keras.optimizers.Adam(0.01), accumulation_steps=STEPS)
+    return AccumulatingOptimizer(keras.optimizers.Adam(0.01), accumulation_steps=ACCUMULATION_STEPS)
 
 
 def uninterrupted_weights(strategy) -> list[np.ndarray]:
@@ -39,10 +38,12 @@ def uninterrupted_weights(strategy) -> list[np.ndarray]:
     return fit_run(strategy, _optimizer, x, y, MICRO_BATCH).final
 
 
-def _phase(name: str, workdir: str, replicas: int) -> dict:
-    import distgrad
+def phase(name: str, workdir: str, replicas: int) -> dict:
+    """In a fresh process: phase "first" (fit to SPLIT, save) or "rest" (load, fit the
+    rest, save the final weights to `workdir/final.npz`); returns the counters."""
+    from distgrad.devices import make_strategy
 
-    strategy = distgrad.make_strategy(replicas)
+    strategy = make_strategy(replicas)
     import keras
 
     from distgrad.lab.compare import weights_of
@@ -66,22 +67,14 @@ def _phase(name: str, workdir: str, replicas: int) -> dict:
 
 
 def resume_in_fresh_processes(workdir: str, replicas: int = 2, timeout: float = 300) -> dict:
-    """Run phase 1 and phase 2 each in a new Python process; return their reports and
-    the final weights (`"weights"`). Raises RuntimeError with the child's stderr."""
+    """Run phase "first" and phase "rest" each in a new Python process
+    (`distgrad.lab.child`); return their reports and the final weights (`"weights"`).
+    Raises `ChildError` (a RuntimeError) with the child's stderr tail if a phase fails."""
     reports = {}
     for name in ("first", "rest"):
-        done = subprocess.run(
-            [sys.executable, "-m", "distgrad.resume", name, workdir, str(replicas)],
-            capture_output=True, text=True, timeout=timeout,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-        )
-        if done.returncode:
-            raise RuntimeError(f"phase {name!r} failed:\n{done.stderr[-3000:]}")
-        reports[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        reports[name] = run_child("distgrad.lab.resume:phase",
+                                  {"name": name, "workdir": workdir, "replicas": replicas},
+                                  timeout=timeout).value
     with np.load(os.path.join(workdir, "final.npz")) as final:
         reports["weights"] = [final[f"arr_{i}"] for i in range(len(final.files))]
     return reports
-
-
-if __name__ == "__main__":
-    print(json.dumps(_phase(sys.argv[1], sys.argv[2], int(sys.argv[3]))))

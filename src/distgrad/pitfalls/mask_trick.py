@@ -18,8 +18,8 @@ flow. But it is not accumulation:
 * the all-reduce inside `apply_gradients` runs every micro-step: k all-reduces per
   update instead of 1.
 
-The patch itself is lesson 04's `SeedAccumulationPatch` (the question's code, line
-for line), fed with gradients divided by k so that, where it works, it averages the
+The patch itself is `SeedAccumulationPatch` (the question's code, line for line;
+lesson 04 runs it under mixed precision), fed with gradients divided by k so that, where it works, it averages the
 micro-batches like one big batch.
 """
 
@@ -36,9 +36,67 @@ from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import AllReducePlacement, fit_step_placement
 from distgrad.lab.recipes import fit_run
 from distgrad.optimizer import AccumulatingOptimizer
-from distgrad.pitfalls.loss_scale_patch import SeedAccumulationPatch
 
 # -- the mask trick -------------------------------------------------------------------
+
+
+class SeedAccumulationPatch:
+    """The question's `_GradientAccumulationPatch` ("the more complicated path"), Keras 3.
+
+    Every call: count the step, add the gradients into `accu_gradients`, call the
+    original `apply_gradients` with `accu_gradients * apply` (apply = 1 on every
+    `n`-th call, else 0), then reset with `accu_gradients * keep`. `calls` counts how
+    often the patched method actually ran (a variable, so it counts executions of a
+    traced step, not traces). Create it where the question did: after the model is
+    built, under the strategy scope (the accumulators are then `MirroredVariable`s
+    that every replica updates locally).
+    """
+
+    def __init__(self, n: int, orig_apply_gradients, trainable_variables):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}.")
+        self.n = tf.constant(n, dtype=tf.int64)
+        policy = keras.mixed_precision.global_policy()
+        self.variable_dtype = policy.variable_dtype
+        self.accu_gradients = [
+            tf.Variable(tf.zeros(g.shape, dtype=g.dtype), trainable=False)
+            for g in trainable_variables
+        ]
+        self._current_step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._orig_apply_gradients = orig_apply_gradients
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        self.calls.assign_add(1)
+        can_apply = self._can_apply_on_next_step()
+        # 1.0 whenever we want to apply gradients; 0.0 otherwise
+        apply = tf.cast(can_apply, dtype=self.variable_dtype)
+        # Will be 0.0 if apply is 1.0 and vice versa
+        keep = tf.cast(tf.logical_not(can_apply), dtype=self.variable_dtype)
+
+        grads_and_vars = list(grads_and_vars)
+        gradients = [grad for (grad, _) in grads_and_vars]
+        trainable_variables = [var for (_, var) in grads_and_vars]
+
+        # Accumulate gradients
+        for i, grad in enumerate(gradients):
+            self.accu_gradients[i].assign_add(grad)
+
+        # Multiply each gradient with our apply-signal
+        final_gradients = [grad * apply for grad in self.accu_gradients]
+
+        result = self._orig_apply_gradients(
+            zip(final_gradients, trainable_variables), *args, **kwargs)
+
+        # This will reset our buffer whenever "keep" is 0.0
+        for g in self.accu_gradients:
+            g.assign(g * keep)
+        return result
+
+    def _can_apply_on_next_step(self):
+        self._current_step.assign_add(1)
+        count_mod_steps = tf.math.mod(self._current_step, self.n)
+        return tf.equal(count_mod_steps, 0)
 
 
 def patch_with_mask(optimizer, steps: int, trainable_variables) -> SeedAccumulationPatch:

@@ -1,0 +1,89 @@
+"""A Keras 3 `LossScaleOptimizer` that skips a step when *any* replica overflowed.
+
+Keras' own wrapper, under `MirroredStrategy`, takes the finiteness of the gradients from
+replica 0 only (`LossScaleOptimizer._tf_apply`: "Arbitrarily take `finite` from the
+first replica"). The comment is inherited from tf-keras, where the gradients were
+all-reduced before the check; in Keras 3 the wrapper sees each replica's *partial*
+gradients and the sum happens later, inside the inner optimizer. An overflow confined
+to another replica's shard is therefore applied, and the all-reduce sums `inf` into
+every copy of the weights. `distgrad.pitfalls.lso_first_replica_finite` reproduces it.
+
+This file imports only TensorFlow and Keras: copy it into a project and use
+`AllReplicasFiniteLossScaleOptimizer` where Keras would build a `LossScaleOptimizer`.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="distgrad")
+class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
+    """Keras' `LossScaleOptimizer`, skipping a step unless every replica's gradients are finite.
+
+    Pass it to `model.compile(optimizer=...)` under a `mixed_float16` policy (Keras then
+    does not add its own wrapper), or use it in a custom loop exactly like Keras'
+    `LossScaleOptimizer`; it composes with accumulation as
+    `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner, k))`.
+
+    Args:
+        inner_optimizer: the optimizer that makes the update (`keras.optimizers.*`).
+        initial_scale: the loss scale to start from (Keras' default 2**15).
+        dynamic_growth_steps: finite steps after which the scale doubles.
+        **kwargs: as for `keras.mixed_precision.LossScaleOptimizer`.
+
+    State: that of `LossScaleOptimizer` (`dynamic_scale`, its step counter and the
+    inner optimizer's variables); nothing is added.
+
+    Contract, per call of `apply` / `apply_gradients` in replica context:
+        * every replica's gradients finite: they are unscaled and applied (the inner
+          optimizer all-reduces them) and the scale may grow, as in Keras;
+        * any replica's gradients non-finite: no replica applies anything, the scale
+          halves; the decision is the same on every replica (read in cross-replica
+          context, where every replica's flag is visible: no extra collective; on the
+          no-merge-call path the flag is all-reduced with MIN).
+        With one replica it behaves exactly like Keras' wrapper.
+
+    Raises:
+        ValueError: `apply` called in cross-replica context.
+    """
+
+    # Keras computes `finite` inside `_tf_apply` (private), and no public hook sees
+    # all replicas' flags, so the override is of that method: Keras' body, with the
+    # AND over replicas in place of "take replica 0's value".
+    def _tf_apply(self, grads, trainable_variables=None):
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        # Keras branches on the same internal TF predicate: no merge_call available.
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1:
+                self._common_apply(grads, trainable_variables=trainable_variables)
+                return
+            finite = context.all_reduce(
+                tf.distribute.ReduceOp.MIN, tf.cast(self.check_finite(grads), tf.float32)) > 0
+            keras.ops.cond(
+                finite,
+                lambda: self._stateful_handle_finite_grads(grads, trainable_variables),
+                self._stateful_handle_non_finite_grads)
+            return
+
+        def _handle_cross_replica(distribution, grads, trainable_variables):
+            finite_per_replica = distribution.extended.call_for_each_replica(
+                self.check_finite, args=(grads,))
+            # The gradients are each replica's partial gradients (Keras 3 sums them
+            # later, inside the inner optimizer): every replica must be finite.
+            finite = tf.reduce_all(tf.stack(
+                distribution.experimental_local_results(finite_per_replica)))
+
+            def apply_fn():
+                distribution.extended.call_for_each_replica(
+                    self._stateful_handle_finite_grads, args=(grads, trainable_variables))
+
+            # As in Keras: this cond must be built in cross-replica context, because
+            # the inner optimizer's apply calls merge_call.
+            keras.ops.cond(finite, apply_fn, self._stateful_handle_non_finite_grads)
+
+        tf.distribute.get_replica_context().merge_call(
+            _handle_cross_replica, args=(grads, trainable_variables))

@@ -1,0 +1,196 @@
+"""Lesson 04 under tf-keras (Keras 2): the question's own train_step and patch.
+
+tf-keras only: this module is imported in a `distgrad.lab.legacy.run_legacy` child,
+where `TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package;
+`distgrad.pitfalls.loss_scale_patch.legacy_reproduction` runs `run_scenarios` there.
+`GradientAccumulationPatch` is the question's patch (tensorflow/tensorflow#50454) for
+tf-keras, as the user ran it; `loss_scale_patch.SeedAccumulationPatch` is the Keras 3
+copy. `SeedModel.train_step` is the question's (`get_scaled_loss` /
+`get_unscaled_gradients` by hand), with the era's `OptimizerV2` or tf-keras' newer
+optimizer inside `tf.keras.mixed_precision.LossScaleOptimizer`.
+"""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+    raise ImportError("distgrad.pitfalls.legacy_loss_scale is tf-keras code: run it through "
+                      "distgrad.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
+
+import numpy as np
+import tensorflow as tf
+
+from distgrad.lab.legacy import legacy_strategy
+
+keras = tf.keras  # tf-keras here (checked by legacy_strategy)
+
+
+class GradientAccumulationPatch:
+    """The question's `_GradientAccumulationPatch`, verbatim but for three additions:
+    `calls` counts executions, `traces` records what each traced call received
+    (context, extra args, kwarg names), and `return_result=True` returns what the
+    original returned (the question returns None)."""
+
+    def __init__(self, n, orig_apply_gradients, trainable_variables):
+        self.n = tf.constant(n, dtype=tf.int64)
+        policy = tf.keras.mixed_precision.global_policy()
+        self.variable_dtype = policy.variable_dtype
+        self.accu_gradients = [
+            tf.Variable(tf.zeros(g.shape, dtype=g.dtype)) for g in trainable_variables]
+        self._current_step = tf.Variable(0, dtype=tf.int64)
+        self.calls = tf.Variable(0, dtype=tf.int64)
+        self.traces = []
+        self._orig_apply_gradients = orig_apply_gradients
+        self.return_result = False
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        self.traces.append({
+            "context": "cross-replica" if tf.distribute.in_cross_replica_context() else "replica",
+            "args": [repr(a) for a in args], "kwargs": sorted(kwargs)})
+        self.calls.assign_add(1)
+        can_apply = self._can_apply_on_next_step()
+        # 1.0 whenever we want to apply gradients; 0.0 otherwise
+        apply = tf.cast(can_apply, dtype=self.variable_dtype)
+        # Will be 0.0 if apply is 1.0 and vice versa
+        keep = tf.cast(tf.logical_not(can_apply), dtype=self.variable_dtype)
+
+        grads_and_vars = list(grads_and_vars)
+        gradients = [grad for (grad, _) in grads_and_vars]
+        trainable_variables = [var for (_, var) in grads_and_vars]
+
+        # Accumulate gradients
+        for i, grad in enumerate(gradients):
+            self.accu_gradients[i].assign_add(grad)
+
+        # Multiply each gradient with our apply-signal
+        final_gradients = [grad * apply for grad in self.accu_gradients]
+
+        result = self._orig_apply_gradients(
+            zip(final_gradients, trainable_variables), *args, **kwargs)
+
+        # This will reset our buffer whenever "keep" is 0.0
+        for g in self.accu_gradients:
+            g.assign(g * keep)
+        if self.return_result:  # not in the question
+            return result
+
+    def _can_apply_on_next_step(self):
+        self._current_step.assign_add(1)
+        count_mod_steps = tf.math.mod(self._current_step, self.n)
+        return tf.equal(count_mod_steps, 0)
+
+
+class SeedModel(keras.Model):
+    """The question's train_step: get_scaled_loss / get_unscaled_gradients by hand."""
+
+    def __init__(self):
+        super().__init__()
+        init = keras.initializers.GlorotUniform
+        self.hidden = keras.layers.Dense(8, activation="tanh", kernel_initializer=init(seed=0))
+        self.out = keras.layers.Dense(1, kernel_initializer=init(seed=1))
+        self.to_float32 = keras.layers.Activation("linear", dtype="float32")
+
+    def call(self, x):
+        return self.to_float32(self.out(self.hidden(x)))
+
+    def train_step(self, data):
+        x, y_true = data
+        with tf.GradientTape() as tape:
+            model_loss = self.compiled_loss(y_true, self(x, training=True))
+            is_mixed_precision = isinstance(
+                self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+            if is_mixed_precision:
+                loss = self.optimizer.get_scaled_loss(model_loss)
+            else:
+                loss = model_loss
+        gradients = tape.gradient(loss, self.trainable_variables)
+        if is_mixed_precision:
+            gradients = self.optimizer.get_unscaled_gradients(gradients)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": model_loss}
+
+
+def _weights(model):
+    return [w.numpy() for w in model.weights]
+
+
+class _Trajectory(keras.callbacks.Callback):
+    def __init__(self, optimizer):
+        super().__init__()
+        self.optimizer_ = optimizer
+        self.scales, self.iterations, self.changes = [], [], []
+
+    def on_train_begin(self, logs=None):
+        self.previous = _weights(self.model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = _weights(self.model)
+        self.changes.append(max(float(np.max(np.abs(a - b))) for a, b in zip(now, self.previous)))
+        self.previous = now
+        self.scales.append(float(self.optimizer_.loss_scale.numpy()))
+        self.iterations.append(int(self.optimizer_.iterations.numpy()))
+
+
+def _one_scenario(strategy, x_all, scenario, n, initial_scale) -> dict:
+    y_all = np.array(scenario["y"], np.float32)
+    with strategy.scope():
+        model = SeedModel()
+        model.build((None, x_all.shape[1]))
+        if scenario["generation"] == "legacy":
+            inner = keras.optimizers.legacy.SGD(scenario["learning_rate"])
+        else:
+            inner = keras.optimizers.SGD(scenario["learning_rate"])
+        optimizer = keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=initial_scale)
+        patch = None
+        if scenario["target"] == "loss_scale_optimizer":
+            patch = GradientAccumulationPatch(n, optimizer.apply_gradients,
+                                              model.trainable_variables)
+            optimizer.apply_gradients = patch.apply_gradients
+        elif scenario["target"] == "inner_optimizer":
+            patch = GradientAccumulationPatch(n, optimizer.inner_optimizer.apply_gradients,
+                                              model.trainable_variables)
+            optimizer.inner_optimizer.apply_gradients = patch.apply_gradients
+        if patch is not None:
+            patch.return_result = scenario["patch_returns_result"]
+        model.compile(optimizer=optimizer, loss="mse")
+    initial = _weights(model)
+    trajectory = _Trajectory(optimizer)
+    error = None
+    try:
+        model.fit(x_all[:len(y_all)], y_all, batch_size=scenario["batch_size"], epochs=1,
+                  shuffle=False, verbose=0, callbacks=[trajectory])
+    except Exception as exc:  # noqa: BLE001 - the pitfall may be an exception: report it
+        error = {"type": type(exc).__name__, "message": str(exc)}
+    final = _weights(model)
+    inner_class = type(optimizer.inner_optimizer)
+    return {
+        "name": scenario["name"], "error": error, "lso_class": type(optimizer).__name__,
+        "inner_class": f"{inner_class.__module__}.{inner_class.__name__}",
+        "patch_calls": None if patch is None else int(patch.calls.numpy()),
+        "accumulators_finite": None if patch is None else bool(all(
+            np.all(np.isfinite(c.numpy())) for v in patch.accu_gradients
+            for c in strategy.experimental_local_results(v))),
+        "loss_scales": trajectory.scales, "iterations": trajectory.iterations,
+        "weight_changes": trajectory.changes,
+        "weights_finite": bool(all(np.all(np.isfinite(w)) for w in final)),
+        "initial_weights": initial, "final_weights": final,
+        "patch_traces": [] if patch is None else patch.traces}
+
+
+def run_scenarios(replicas: int, x, scenarios, accumulation_steps: int,
+                  initial_scale: float) -> list[dict]:
+    """Fit a fresh `SeedModel` under `mixed_float16` per scenario; one dict each.
+
+    A scenario is a dict: `name`, `generation` ("legacy": `OptimizerV2` SGD; "v3":
+    tf-keras' newer SGD), `target` ("loss_scale_optimizer", "inner_optimizer" or
+    "none"), `y`, `batch_size`, `learning_rate`, `patch_returns_result`. `x` is shared.
+    """
+    strategy = legacy_strategy(replicas)
+    x_all = np.array(x, np.float32)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return [_one_scenario(strategy, x_all, s, accumulation_steps, initial_scale)
+                for s in scenarios]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -1,0 +1,50 @@
+"""The reference classes can be copied alone into a project, and train correctly there."""
+
+import ast
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
+REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
+                   "clipping.py", "normalization.py", "sparse.py")
+ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
+
+
+@pytest.mark.parametrize("name", REFERENCE_FILES)
+def test_reference_module_imports_only_tensorflow_keras_numpy_and_the_stdlib(name):
+    tree = ast.parse((SRC / name).read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{name} has a relative import"
+            roots.add(node.module.split(".")[0])
+    assert roots <= ALLOWED, f"{name} imports {sorted(roots - ALLOWED)}"
+
+
+def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path):
+    for name in ("optimizer.py", "accumulator.py", "train_step.py"):
+        shutil.copy(SRC / name, tmp_path / name)
+    done = subprocess.run(
+        [sys.executable, str(pathlib.Path(__file__).with_name("copied_project.py")),
+         str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ratios = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(ratios) == {"AccumulatingOptimizer", "GradientAccumulator", "MicroBatching"}
+    for name, ratio in ratios.items():  # allclose(rtol=1e-6, atol=1e-6) <=> ratio <= 1
+        assert ratio <= 1.0, f"{name} differs from big batch: allclose ratio {ratio:.3f}"
+
+
+def test_the_base_install_is_the_reference_package_only():
+    import tomllib
+
+    project = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
+    assert names == {"tensorflow", "keras", "numpy"}
+    assert {"course", "docs", "test", "legacy", "bench"} <= set(project["optional-dependencies"])
