@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from benchmarks.rows import (
+    FRESH_TITLES,
     MIB,
     PATH_ORDER,
     TARGET_PERCENT,
@@ -35,12 +36,10 @@ from benchmarks.rows import (
     spread,
     strategy_title,
 )
+
 NOT_RESOLVABLE = "not resolvable on this machine"
-KERNEL_CATEGORIES = ("accumulate", "assign", "finiteness check")  # = trace.CATEGORIES
 NOT_RECORDED = ("*Not in this results file: it was written before the benchmark traced "
                 "op time. The next `make bench` records it.*")
-FRESH_TITLES = {"micro_batching": "MicroBatching, batch B in k micro-batches",
-                "plain_micro_batch": "plain step on B/k", "plain_big_batch": "plain step on B"}
 # The files, in page order, and their headings in gpu.md.
 TITLES = {
     "run": "The run", "overhead-one-device": "Step-time overhead, no strategy",
@@ -93,9 +92,9 @@ def line(row: dict, cells: list) -> str:
     return "| " + " | ".join([row_name(row), row["path"], *map(str, cells)]) + " |"
 
 
-def caption(group: dict) -> str:
-    return (f"*{strategy_title(group['strategy'])}, k = {group['k']}, "
-            f"{group['repeats']} rounds.*")
+def caption(group: dict, timed: bool = False) -> str:
+    rounds = f", {group['repeats']} rounds" if timed else ""
+    return f"*{strategy_title(group['strategy'])}, k = {group['k']}{rounds}.*"
 
 
 # --- judgements ---------------------------------------------------------------------
@@ -139,7 +138,7 @@ def overhead_table(group: dict) -> str:
               "overhead vs plain micro-batch step (median)", "min … max", "quartiles",
               "by CPU time (median)", f"≤ {TARGET_PERCENT:g} %",
               "accumulation kernels, share of op time"]
-    return caption(group) + "\n\n" + table(header, "llrrrrrlr", lines)
+    return caption(group, timed=True) + "\n\n" + table(header, "llrrrrrlr", lines)
 
 
 def floor_table(results: dict) -> str:
@@ -159,12 +158,14 @@ def floor_table(results: dict) -> str:
 def kernels_table(results: dict) -> str:
     parts = []
     for group in filter(None, (main_group(results, False), main_group(results))):
-        lines = [line(r, [f"{r['op_time']['percent'][c]:.2f} %" for c in KERNEL_CATEGORIES]
-                      + [f"{r['op_time']['total_us'] / 1e3:.2f}"])
-                 for r in ordered_rows(group) if r.get("op_time")]
-        if lines:
-            header = ["approach", "path", *KERNEL_CATEGORIES, "op time per update (ms)"]
-            parts.append(caption(group) + "\n\n" + table(header, "llrrrr", lines))
+        traced = [r for r in ordered_rows(group) if r.get("op_time")]
+        if traced:  # categories in `benchmarks.trace.CATEGORIES` order, as recorded
+            categories = list(traced[0]["op_time"]["percent"])
+            lines = [line(r, [f"{r['op_time']['percent'][c]:.2f} %" for c in categories]
+                          + [f"{r['op_time']['total_us'] / 1e3:.2f}"]) for r in traced]
+            header = ["approach", "path", *categories, "op time per update (ms)"]
+            parts.append(caption(group) + "\n\n" + table(header, "ll" + "r" * len(header[2:]),
+                                                           lines))
     return "\n\n".join(parts) or NOT_RECORDED
 
 

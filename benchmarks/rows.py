@@ -15,6 +15,8 @@ MIB = 2**20
 LABELS = ("cpu", "gpu")
 PATH_ORDER = ("fit", "custom loop")
 STRATEGY_TITLES = {"none": "no strategy (one device)", "R1": "MirroredStrategy, 1 replica"}
+FRESH_TITLES = {"micro_batching": "MicroBatching, batch B in k micro-batches",
+                "plain_micro_batch": "plain step on B/k", "plain_big_batch": "plain step on B"}
 
 
 def results_file(out_dir: Path, label: str) -> Path:

@@ -54,7 +54,7 @@ import tensorflow as tf
 from distgrad.lab.compare import check_close, weights_of
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import fit_step_placement, placement_of_graph
-from distgrad.pitfalls import compound_assignment
+from distgrad.pitfalls import compound_assignment, final_solution
 from distgrad.train_step import MicroBatching, check_micro_batches, with_micro_batches
 
 tf.get_logger().setLevel("ERROR")  # fresh models retrace on purpose; silence the notes
@@ -269,7 +269,7 @@ assert float(overflow.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
 # the overflow on replica 1 is skipped, and the step still has one all-reduce.
 
 # %%
-from distgrad.pitfalls.lso_first_replica_finite import AllReplicasFiniteLossScaleOptimizer
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
 if R > 1:
     targets = y[:GLOBAL_BATCH].copy()
@@ -419,12 +419,12 @@ plt.show()
 #
 # ## 7 · The posted "final solution", against Keras 3
 #
-# `audit_seed_solution` runs each problem. Where the code is needed to run at all,
-# `SeedFinalSolutionModel` ports it only where Keras 3 forces it (public imports,
+# `final_solution.audit_final_solution` runs each problem. Where the code is needed to run at all,
+# `QuestionFinalSolutionModel` ports it only where Keras 3 forces it (public imports,
 # `scale_loss`, `super()`), keeping its logic.
 
 # %%
-audit = compound_assignment.audit_seed_solution(strategy)
+audit = final_solution.audit_final_solution(strategy)
 print("1. super(self).fit:           ", audit.super_self_error)
 for module, error in audit.import_errors.items():
     print("2. import", module, "->", error.type)

@@ -1,31 +1,19 @@
-"""distgrad.legacy: run a snippet under tf-keras (Keras 2) in a fresh Python."""
+"""distgrad.lab.legacy: run a function of a real module under tf-keras (Keras 2), in a child."""
+
+import os
 
 import pytest
 
-from distgrad import legacy
-from distgrad.legacy import LegacyRunError, run_legacy
+from distgrad.lab import legacy
+from distgrad.lab.child import ChildError, run_child
+from distgrad.lab.legacy import run_legacy
+
+TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 
 
 @pytest.fixture(scope="module")
 def two_replica_child():
-    return run_legacy(
-        """
-        import os
-        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
-            tf.keras.optimizers.legacy.SGD(0.1))
-        report(
-            env=os.environ.get("TF_USE_LEGACY_KERAS"),
-            model_module=tf.keras.Model.__module__,
-            lso_class=type(optimizer).__name__,
-            initial_scale=float(optimizer.loss_scale.numpy()),
-            in_sync=strategy.num_replicas_in_sync,
-            not_a_number=float("nan"),
-            numpy_values=np.arange(3, dtype=np.float32),
-        )
-        report(later="overwrites nothing else")
-        """,
-        replicas=2,
-    )
+    return run_legacy("workers_for_tests:legacy_probe", replicas=2, env=TESTS_ON_PATH)
 
 
 def test_child_runs_tf_keras_2_with_the_legacy_switch_set(two_replica_child):
@@ -40,34 +28,40 @@ def test_child_has_a_mirrored_strategy_over_the_requested_replicas(two_replica_c
     assert two_replica_child["in_sync"] == 2
 
 
-def test_reported_values_come_back_as_json(two_replica_child):
+def test_returned_values_come_back_as_json(two_replica_child):
     assert two_replica_child["lso_class"] == "LossScaleOptimizer"
     assert two_replica_child["initial_scale"] == 2.0**15
     assert two_replica_child["numpy_values"] == [0.0, 1.0, 2.0]
     assert two_replica_child["not_a_number"] == "nan"
-    assert two_replica_child["later"] == "overwrites nothing else"
+    assert two_replica_child.seconds > 0
 
 
-def test_a_failing_snippet_raises_with_the_child_stderr_tail():
-    with pytest.raises(LegacyRunError, match="exited with status 1") as info:
-        run_legacy("raise ValueError('marker-4711 from the child')")
-    assert "marker-4711 from the child" in str(info.value)
+def test_a_failing_function_raises_with_its_error_and_the_child_stderr_tail():
+    with pytest.raises(ChildError, match="exited with status 1 after raising ValueError") as info:
+        run_legacy("workers_for_tests:raise_marker", env=TESTS_ON_PATH,
+                   marker="marker-4711 from the child")
+    message = str(info.value)
+    assert message.startswith("workers_for_tests:raise_marker under tf-keras")
+    assert "marker-4711 from the child" in message.split("stderr tail:")[0]
+    assert "Traceback" in message.split("stderr tail:")[1]  # the child's traceback
 
 
-def test_a_snippet_that_never_reports_is_an_error():
-    with pytest.raises(LegacyRunError, match="without reporting"):
-        run_legacy("import os; os._exit(0)")
+def test_a_function_that_exits_without_returning_is_an_error():
+    with pytest.raises(ChildError, match="exited with status 0 without a result"):
+        run_legacy("workers_for_tests:exit_without_result", env=TESTS_ON_PATH)
 
 
-def test_a_slow_snippet_is_stopped_at_the_timeout():
-    with pytest.raises(LegacyRunError, match="longer than 1 s"):
-        run_legacy("import time; time.sleep(60)", timeout=1)
+def test_a_slow_function_is_stopped_at_the_timeout():
+    with pytest.raises(TimeoutError, match="longer than 1 s and was killed"):
+        run_legacy("workers_for_tests:sleep_for", timeout=1, env=TESTS_ON_PATH)
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", [
-    ({"snippet": b"report()"}, TypeError, "Python source text"),
-    ({"snippet": "report()", "replicas": 0}, ValueError, "replicas must be an integer >= 1"),
-    ({"snippet": "report()", "timeout": 0}, ValueError, "timeout must be a positive"),
+    ({"target": b"m:f"}, TypeError, "target must be a 'package.module:function' string"),
+    ({"target": "no_colon"}, ValueError, "target must look like 'package.module:function'"),
+    ({"target": "m:f", "replicas": 0}, ValueError, "replicas must be an integer >= 1"),
+    ({"target": "m:f", "replicas": True}, ValueError, "replicas must be an integer >= 1"),
+    ({"target": "m:f", "timeout": 0}, ValueError, "timeout must be a positive"),
 ])
 def test_bad_arguments_are_refused_before_starting_a_child(kwargs, error, fragment):
     with pytest.raises(error, match=fragment):
@@ -76,5 +70,13 @@ def test_bad_arguments_are_refused_before_starting_a_child(kwargs, error, fragme
 
 def test_missing_tf_keras_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(legacy, "legacy_keras_available", lambda: False)
-    with pytest.raises(LegacyRunError, match="pip install tf-keras"):
-        run_legacy("report()")
+    with pytest.raises(ImportError, match="pip install tf-keras"):
+        run_legacy("workers_for_tests:legacy_probe")
+
+
+def test_legacy_strategy_refuses_to_run_without_the_legacy_switch():
+    result = run_child("distgrad.lab.legacy:legacy_strategy", {"replicas": 1},
+                       env={"TF_USE_LEGACY_KERAS": None}, check=False)
+    assert not result.ok
+    assert result.error["type"] == "RuntimeError"
+    assert "TF_USE_LEGACY_KERAS=1 must be set" in result.error["message"]

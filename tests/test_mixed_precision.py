@@ -13,7 +13,7 @@ import pytest
 
 from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
 from distgrad.pitfalls import loss_scale_patch as lsp
-from distgrad.pitfalls.lso_first_replica_finite import AllReplicasFiniteLossScaleOptimizer
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
 MIXED = {"rtol": lsp.MIXED_PRECISION_RTOL, "atol": lsp.MIXED_PRECISION_ATOL}
 C = lsp.CONTROLLED_INITIAL_SCALE

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distgrad.pitfalls import compound_assignment
+from distgrad.pitfalls import compound_assignment, final_solution
 
 
 def expected_after(iterations):
@@ -65,15 +65,15 @@ def test_reproduce_in_fit_needs_equal_micro_batches():
 
 @pytest.fixture(scope="module")
 def audit(strategy2):
-    return compound_assignment.audit_seed_solution(strategy2)
+    return final_solution.audit_final_solution(strategy2)
 
 
-def test_seed_final_solution_super_self_is_a_type_error(audit):
+def test_posted_final_solution_super_self_is_a_type_error(audit):
     assert audit.super_self_error.type == "TypeError"
     assert audit.super_self_error.contains("super() argument 1 must be a type")
 
 
-def test_seed_final_solution_private_imports_are_gone(audit):
+def test_posted_final_solution_private_imports_are_gone(audit):
     errors = audit.import_errors
     assert set(errors) == {
         "tensorflow.python.keras.mixed_precision.experimental.loss_scale_optimizer",
@@ -82,7 +82,7 @@ def test_seed_final_solution_private_imports_are_gone(audit):
     assert all(e.type == "ModuleNotFoundError" for e in errors.values())
 
 
-def test_seed_final_solution_private_optimizer_apis_are_gone(audit):
+def test_posted_final_solution_private_optimizer_apis_are_gone(audit):
     assert audit.attributes_present == {
         "optimizer._HAS_AGGREGATE_GRAD": False,
         "optimizer._aggregate_gradients": False,
@@ -96,15 +96,15 @@ def test_seed_final_solution_private_optimizer_apis_are_gone(audit):
     assert audit.apply_clips_itself
 
 
-def test_seed_final_solution_without_return_fits_twice(audit):
+def test_posted_final_solution_without_return_fits_twice(audit):
     assert audit.iterations_with_k1 == 2  # one batch, one epoch: two optimizer steps
 
 
-def test_seed_final_solution_reports_the_mean_prediction_as_loss_on_keras_3(audit):
+def test_posted_final_solution_reports_the_mean_prediction_as_loss_on_keras_3(audit):
     assert audit.reported_loss == pytest.approx(audit.mean_prediction, rel=1e-6)
     assert audit.reported_loss != pytest.approx(audit.true_loss, rel=0.01)
 
 
-def test_seed_final_solution_reads_one_replica_outside_the_scope_and_steps_1_over_r(audit):
+def test_posted_final_solution_reads_one_replica_outside_the_scope_and_steps_1_over_r(audit):
     assert (audit.replicas_seen_in_fit, audit.replicas_of_model) == (1, 2)
     assert audit.two_replica_update_ratio == pytest.approx(0.5, rel=1e-6)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distgrad.legacy import legacy_keras_available
+from distgrad.lab.legacy import legacy_keras_available
 from distgrad.pitfalls import outside_strategy_run
 
 MERGE_CALL_ON_NONE = "'NoneType' object has no attribute 'merge_call'"

@@ -306,7 +306,7 @@ def test_keras_loss_scale_optimizer_checks_finiteness_on_replica_0_only(strategy
 
 
 def test_the_all_replicas_finite_wrapper_of_lesson_04_composes_with_micro_batching(strategy2):
-    from distgrad.pitfalls.lso_first_replica_finite import AllReplicasFiniteLossScaleOptimizer
+    from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
     x, y = regression_data(BATCH)
     y = y.copy()

@@ -5,15 +5,10 @@
 
 This file imports only TensorFlow and Keras: copy it into a project and use it alone.
 
-Why the shape: "update every k-th call" needs a data-dependent branch, and the branch
-holds the inner optimizer's sync points (its gradient all-reduce and its writes to
-mirrored variables both go through `ReplicaContext.merge_call`). Under MirroredStrategy
-a `merge_call` inside a `tf.cond` traced in *replica* context raises `RuntimeError:
-merge_call called while defining a new graph or a tf.function` (keras-team/keras#20582
-is Keras' own `gradient_accumulation_steps` hitting it in `fit`). So the wrapper takes
-the shape of Keras' `LossScaleOptimizer._tf_apply`: accumulate locally, `merge_call`
-once, branch in cross-replica context, and go back to the replicas with
-`call_for_each_replica` for the inner update (see `_cross_replica_step`).
+Why the shape: "update every k-th call" needs a branch around the inner optimizer's
+sync points (`merge_call`), which MirroredStrategy refuses inside a replica-context
+`tf.cond` (keras-team/keras#20582); so the branch is taken in cross-replica context,
+as in Keras' `LossScaleOptimizer._tf_apply` (see `_cross_replica_step`).
 """
 
 from __future__ import annotations
@@ -49,23 +44,20 @@ def _check_inner(inner_optimizer) -> None:
             raise ValueError(
                 "The inner optimizer has gradient_accumulation_steps="
                 f"{inner_optimizer.gradient_accumulation_steps}; AccumulatingOptimizer does "
-                "the accumulation. Create the inner optimizer without "
-                "gradient_accumulation_steps and pass accumulation_steps= to "
-                "AccumulatingOptimizer.")
+                "the accumulation. Create the inner optimizer without it and pass "
+                "accumulation_steps= to AccumulatingOptimizer.")
         return
     if isinstance(inner_optimizer, str):
         raise TypeError(
             f"AccumulatingOptimizer wraps an optimizer instance, got the string "
-            f"{inner_optimizer!r}. Pass keras.optimizers.get({inner_optimizer!r}) (or e.g. "
-            "keras.optimizers.Adam(1e-3)).")
+            f"{inner_optimizer!r}. Pass keras.optimizers.get({inner_optimizer!r}).")
     module = type(inner_optimizer).__module__
     if isinstance(inner_optimizer, tf.compat.v1.train.Optimizer):
-        hint = ("tf.compat.v1 optimizers (tf.compat.v1.train.*) are TF1 optimizers, not "
-                "Keras 3 optimizers")
+        hint = "tf.compat.v1 optimizers (tf.compat.v1.train.*) are TF1 optimizers"
     elif module.startswith(("tf_keras", "keras.optimizers.legacy")) or ".optimizer_v2" in module:
         hint = "legacy tf-keras optimizers are not Keras 3 optimizers"
     else:
-        hint = f"{type(inner_optimizer).__name__} (from {module}) is not a Keras 3 optimizer"
+        hint = f"{type(inner_optimizer).__name__} (from {module}) is not one"
     raise TypeError(
         f"AccumulatingOptimizer needs a Keras 3 optimizer (a keras.optimizers.Optimizer); "
         f"{hint}. Use the Keras 3 equivalent, e.g. keras.optimizers.SGD / Adam / AdamW.")
@@ -140,8 +132,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             setattr(self, option, getattr(inner_optimizer, option))
             setattr(inner_optimizer, option, None)
 
-    # -- the inner optimizer's view of time and learning rate ---------------------
-
     @property
     def iterations(self):
         """Number of updates made (the inner optimizer's `iterations`)."""
@@ -194,8 +184,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         """The replica-local gradient sums, one per trainable variable."""
         return list(self._accumulators)
 
-    # -- build ---------------------------------------------------------------------
-
     def build(self, var_list):
         """Create one accumulator per variable and build the inner optimizer.
 
@@ -237,8 +225,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self._built_under = strategy
-
-    # -- apply ---------------------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
         """Accumulate `grads`; on every k-th call, update the inner optimizer.
@@ -324,7 +310,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         tf.cond(self.apply_is_due(), finish_cycle, lambda: None)
 
     def _local_accumulators_finite(self, variables):
-        """Replica context: whether this replica's accumulators are all finite."""
         return tf.reduce_all(tf.stack([
             tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(self._accumulator_of(v))))
             for v in variables]))
@@ -344,11 +329,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self.assign(accumulator, tf.zeros(accumulator.shape, accumulator.dtype))
 
     def _apply_accumulated(self, variables):
-        """Replica context: one inner update with the accumulated mean, then reset.
-
-        The cycle's gradient all-reduce happens here, inside the inner optimizer's
-        `apply` (plus one more when clipping is configured).
-        """
+        # Replica context. The cycle's gradient all-reduce is inside the inner `apply`.
         accumulators = [self._accumulator_of(v) for v in variables]
         # This replica's share of the mean gradient; the inner optimizer's SUM
         # all-reduce turns the shares into the mean over all micro-batches and replicas.

@@ -94,18 +94,35 @@ class MixedFitRecord:
     final_weights: list
 
 
-class _MixedTrajectory(keras.callbacks.Callback):
+class LossScaleTrajectory(keras.callbacks.Callback):
+    """Reads `model.fit` under a loss-scale optimizer after every micro-batch.
+
+    `scales` (`dynamic_scale`), `iterations` (updates), `total_micro_steps` (the inner
+    optimizer's, or `iterations` if it has none), `weight_changes` (max |dw| over all
+    weights since the previous micro-batch; nan once weights are non-finite) and
+    `weights_finite`, one entry per micro-batch.
+    """
+
     def __init__(self):
         super().__init__()
-        self.scales, self.iterations, self.total_micro_steps, self.finite = [], [], [], []
+        self.scales, self.iterations, self.total_micro_steps = [], [], []
+        self.weight_changes, self.weights_finite = [], []
+        self.previous = None
+
+    def on_train_begin(self, logs=None):
+        self.previous = weights_of(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
-        optimizer = self.model.optimizer
+        optimizer, now = self.model.optimizer, weights_of(self.model)
+        with np.errstate(invalid="ignore"):  # inf - inf once weights are non-finite
+            self.weight_changes.append(max(float(np.max(np.abs(a.astype(np.float64) - b)))
+                                           for a, b in zip(now, self.previous)))
+        self.previous = now
         self.scales.append(float(optimizer.dynamic_scale.numpy()))
         self.iterations.append(int(optimizer.iterations.numpy()))
         counter = getattr(optimizer.inner_optimizer, "total_micro_steps", optimizer.iterations)
         self.total_micro_steps.append(int(counter.numpy()))
-        self.finite.append(all(np.all(np.isfinite(w)) for w in weights_of(self.model)))
+        self.weights_finite.append(all(np.all(np.isfinite(w)) for w in now))
 
 
 def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int | None = 2,
@@ -137,7 +154,7 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
                                           dynamic_growth_steps=dynamic_growth_steps)
             model.compile(optimizer=optimizer, loss="mse")
         initial = weights_of(model)
-        trajectory = _MixedTrajectory()
+        trajectory = LossScaleTrajectory()
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
                   callbacks=[trajectory])
     wrapped = model.optimizer.inner_optimizer
@@ -149,5 +166,5 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
         wrapped=type(wrapped).__name__, loss_scales=tuple(trajectory.scales),
         iterations=tuple(trajectory.iterations),
         total_micro_steps=tuple(trajectory.total_micro_steps),
-        weights_finite=tuple(trajectory.finite), accumulator_dtypes=dtypes,
+        weights_finite=tuple(trajectory.weights_finite), accumulator_dtypes=dtypes,
         initial_weights=initial, final_weights=weights_of(model))

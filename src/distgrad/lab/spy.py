@@ -41,14 +41,14 @@ def _defining_class(module_name: str, class_name: str, method_name: str):
 
 
 @contextlib.contextmanager
-def spying(methods, before, after=None):
+def spying(methods, before=None, after=None):
     """Patch every `(module, class, method)` triple in `methods` for the block.
 
-    Each call of a patched method runs `args = before(spec, owner, args)` (`spec` is
-    the triple, `owner` the instance, `args` the positional arguments after `self`;
-    `before` returns the arguments to pass on, so it may replace a one-shot iterator
-    it consumed by a list), then the original, then `after(spec, owner, result)` if
-    given; the result is returned unchanged. The class that *defines* the method is
+    Each call of a patched method runs `args = before(spec, owner, args)` if given
+    (`spec` is the triple, `owner` the instance, `args` the positional arguments after
+    `self`; `before` returns the arguments to pass on, so it may replace a one-shot
+    iterator it consumed by a list), then the original, then `after(spec, owner,
+    result)` if given; the result is returned unchanged. The class that *defines* the method is
     patched (a base class where inherited), once even if several triples lead to it.
     Every original is restored on exit, also on error. Raises AttributeError for a
     method no class in the named class' MRO defines.
@@ -63,7 +63,8 @@ def spying(methods, before, after=None):
             original = cls.__dict__[method_name]
 
             def spy(owner, *args, _spec=spec, _original=original, **kwargs):
-                args = before(_spec, owner, args)
+                if before is not None:
+                    args = before(_spec, owner, args)
                 result = _original(owner, *args, **kwargs)
                 if after is not None:
                     after(_spec, owner, result)

@@ -31,15 +31,11 @@ MirroredStrategy: keras-team/keras#20582 (open). `reproduce_builtin` runs it.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import keras
 import tensorflow as tf
 
+from distgrad.lab.child import run_child
 from distgrad.lab.compare import WeightDiff, weight_diff, weights_of
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.recipes import make_replica_step
@@ -210,20 +206,11 @@ def reproduce_builtin(strategy=None, steps: int = 4, updates: int = 2, micro_bat
     )
 
 
-_MULTIWORKER_CODE = """
-import json
-import tensorflow as tf
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-from distgrad.pitfalls.cond_merge_call import reproduce
-record = reproduce(strategy)
-print("DISTGRAD_RESULT " + json.dumps({
-    "replicas": record.replicas,
-    "supports_no_merge_call": record.supports_no_merge_call,
-    "error_type": record.error.type if record.error else None,
-    "error_message": record.error.message if record.error else None,
-    "updates": record.updates,
-}))
-"""
+def reproduce_in_fresh_multiworker() -> CondPatchRecord:
+    """In a fresh process: `reproduce` under a `MultiWorkerMirroredStrategy` created
+    first (it configures the runtime's collective ops). Run by
+    `reproduce_under_multiworker`."""
+    return reproduce(tf.distribute.MultiWorkerMirroredStrategy())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,22 +224,13 @@ class MultiWorkerRecord:
 def reproduce_under_multiworker(timeout: float = 180) -> MultiWorkerRecord:
     """`reproduce` under a single-worker `MultiWorkerMirroredStrategy`, in a fresh process.
 
-    A fresh process because MultiWorkerMirroredStrategy configures the TensorFlow
-    runtime's collective ops at construction. No `TF_CONFIG`: one worker with its
-    local devices (one CPU here). Raises RuntimeError if the subprocess fails.
+    A fresh process (`distgrad.lab.child`) because MultiWorkerMirroredStrategy
+    configures the TensorFlow runtime's collective ops at construction. No
+    `TF_CONFIG`: one worker with its local devices (one CPU here). Raises `ChildError`
+    (a RuntimeError) if the child fails, TimeoutError past `timeout` seconds.
     """
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_MULTIWORKER_CODE)],
-                          capture_output=True, text=True, env=env, timeout=timeout,
-                          check=False)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("DISTGRAD_RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"MultiWorkerMirroredStrategy subprocess failed (exit {done.returncode}):\n"
-            f"{done.stderr[-3000:]}")
-    result = json.loads(lines[-1].split(" ", 1)[1])
-    error = (CapturedError(result["error_type"], result["error_message"])
-             if result["error_type"] else None)
-    return MultiWorkerRecord(result["replicas"], result["supports_no_merge_call"], error,
-                             result["updates"])
+    record = run_child("distgrad.pitfalls.cond_merge_call:reproduce_in_fresh_multiworker",
+                       env={"TF_CONFIG": None}, timeout=timeout).value
+    error = None if record["error"] is None else CapturedError(**record["error"])
+    return MultiWorkerRecord(record["replicas"], record["supports_no_merge_call"], error,
+                             record["updates"])

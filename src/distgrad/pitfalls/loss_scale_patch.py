@@ -208,9 +208,8 @@ def reproduce(strategy, target: str = "loss_scale_optimizer", micro_batches: int
     x, y = overflow_data(micro_batches, global_batch, overflow_step, replicas,
                          overflow_replicas)
     with mixed_precision_policy("mixed_float16"):
-        model, optimizer, patch = _compile_patched(strategy, target, accumulation_steps,
-                                                   learning_rate, wrapper=wrapper,
-                                                   initial_scale=initial_scale)
+        model, _, patch = _compile_patched(strategy, target, accumulation_steps, learning_rate,
+                                           wrapper=wrapper, initial_scale=initial_scale)
         initial = weights_of(model)
         trajectory = LossScaleTrajectory()
         model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,

@@ -106,35 +106,15 @@ def reproduce(strategy, examples: int = 16) -> OutsideStrategyRunRecord:
     )
 
 
-_LEGACY_SNIPPET = """
-with strategy.scope():
-    model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(4,))])
-    optimizer = tf.keras.optimizers.legacy.SGD(0.1)
-x, y = tf.ones((8, 4)), tf.ones((8, 1))
-batch = next(iter(strategy.experimental_distribute_dataset(
-    tf.data.Dataset.from_tensor_slices((x, y)).batch(8))))
-def train_step(xb, yb):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(xb) - yb))
-    return tape.gradient(loss, model.trainable_variables)
-per_replica = strategy.run(train_step, args=batch)
-try:
-    with strategy.scope():
-        optimizer.apply_gradients(zip(per_replica, model.trainable_variables))
-    report(type=None, message=None)
-except Exception as err:
-    report(type=type(err).__name__, message=str(err))
-"""
-
-
 def reproduce_legacy(replicas: int = 2) -> CapturedError:
-    """The error tf.keras 2's OptimizerV2 raises for the same call (child process).
+    """The error tf.keras 2's OptimizerV2 raises for the same call, from a tf-keras child
+    (`distgrad.lab.legacy.run_legacy` of
+    `distgrad.pitfalls.legacy_outside_strategy_run.apply_outside_run`); several seconds
+    of TensorFlow start-up."""
+    from distgrad.lab.legacy import run_legacy
 
-    Uses `distgrad.legacy.run_legacy`; several seconds of TensorFlow start-up.
-    """
-    from distgrad.legacy import run_legacy
-
-    result = run_legacy(_LEGACY_SNIPPET, replicas=replicas)
+    result = run_legacy("distgrad.pitfalls.legacy_outside_strategy_run:apply_outside_run",
+                        replicas)
     return CapturedError(result["type"], result["message"])
 
 

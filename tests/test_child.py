@@ -1,0 +1,103 @@
+"""distgrad.lab.child: one function of a real module in a fresh Python, one result protocol."""
+
+import os
+import resource
+import time
+
+import pytest
+
+from distgrad.lab.child import Child, ChildError, ChildResult, run_child, to_json
+
+TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
+
+
+def test_the_return_value_and_the_kwargs_come_back_as_json():
+    result = run_child("workers_for_tests:plain_values", {"n": 3, "nested": {"a": [1, 2]}},
+                       env={**TESTS_ON_PATH, "DISTGRAD_TEST_VARIABLE": "set"})
+    assert result.ok and result.reported and result.returncode == 0
+    assert result.value == {
+        "kwargs": {"n": 3, "nested": {"a": [1, 2]}}, "array": [0.0, 1.0, 2.0],
+        "scalar": 0.5, "flag": True, "nan": "nan", "infinities": ["inf", "-inf"],
+        "pair": {"name": "a", "value": 1.5}, "env": "set"}
+    assert result.seconds > 0
+
+
+def test_an_environment_value_of_none_removes_the_variable(monkeypatch):
+    monkeypatch.setenv("DISTGRAD_TEST_VARIABLE", "inherited")
+    inherited = run_child("workers_for_tests:plain_values", env=TESTS_ON_PATH)
+    removed = run_child("workers_for_tests:plain_values",
+                        env={**TESTS_ON_PATH, "DISTGRAD_TEST_VARIABLE": None})
+    assert (inherited.value["env"], removed.value["env"]) == ("inherited", None)
+
+
+def test_a_raised_exception_is_reported_with_its_type_message_and_traceback():
+    result = run_child("workers_for_tests:raise_marker", {"marker": "marker-0815"},
+                       env=TESTS_ON_PATH, check=False)
+    assert not result.ok and result.reported
+    assert (result.returncode, result.error) == (1, {"type": "ValueError",
+                                                     "message": "marker-0815"})
+    assert "Traceback" in result.stderr_tail and "marker-0815" in result.stderr_tail
+    with pytest.raises(ChildError, match="exited with status 1 after raising ValueError: "
+                                         "marker-0815"):
+        result.check()
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exiting_without_a_result_is_a_failure_whatever_the_status(code):
+    result = run_child("workers_for_tests:exit_without_result", {"code": code},
+                       env=TESTS_ON_PATH, check=False)
+    assert (result.returncode, result.reported, result.value, result.ok) == (
+        code, False, None, False)
+    with pytest.raises(ChildError, match=f"exited with status {code} without a result"):
+        result.check()
+
+
+def test_a_child_past_its_timeout_is_killed(tmp_path):
+    with pytest.raises(TimeoutError, match="ran longer than 1 s and was killed"):
+        run_child("workers_for_tests:sleep_for", env=TESTS_ON_PATH, timeout=1)
+    child = Child("workers_for_tests:sleep_forever",
+                  {"task_index": 0, "num_workers": 1, "pid_file": str(tmp_path / "pid")},
+                  env=TESTS_ON_PATH)
+    while not (tmp_path / "pid").exists():
+        assert not child.poll(), child.result().stderr_tail
+        time.sleep(0.05)
+    result = child.result()  # kills a child that still runs
+    assert result.returncode == -9 and not result.reported
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid").read_text()), 0)
+    assert child.result() is result  # the same outcome on every call
+
+
+def test_the_trampoline_gives_the_child_a_peak_rss_of_its_own():
+    # Started straight from this (TensorFlow-sized) process, the child's ru_maxrss
+    # starts at our peak; through the trampoline it is the child's own.
+    ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    direct = run_child("workers_for_tests:peak_rss_kib", env=TESTS_ON_PATH).value
+    isolated = run_child("workers_for_tests:peak_rss_kib", env=TESTS_ON_PATH,
+                         trampoline=True).value
+    assert ours > 200 * 1024  # KiB: TensorFlow is loaded here
+    assert direct >= ours
+    assert isolated < ours / 4
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    ({"target": 7}, TypeError, "target must be a 'package.module:function' string"),
+    ({"target": "module_only"}, ValueError, "target must look like 'package.module:function'"),
+    ({"target": ":function_only"}, ValueError, "target must look like"),
+    ({"target": "m:f", "timeout": 0}, ValueError, "timeout must be a positive"),
+    ({"target": "m:f", "timeout": -1.0}, ValueError, "timeout must be a positive"),
+])
+def test_bad_arguments_are_refused_before_starting_a_child(kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        run_child(**kwargs)
+
+
+def test_result_ok_needs_exit_zero_a_result_and_no_error():
+    assert ChildResult("m:f", 0, True, {}, None, "", 1.0).ok
+    assert not ChildResult("m:f", 1, True, None, {"type": "X", "message": ""}, "", 1.0).ok
+    assert not ChildResult("m:f", 0, False, None, None, "", 1.0).ok
+    assert not ChildResult("m:f", None, False, None, None, "", 0.0).ok
+
+
+def test_to_json_leaves_plain_values_alone():
+    assert to_json({"a": (1, 2.5, None, "s", True)}) == {"a": [1, 2.5, None, "s", True]}
