@@ -74,8 +74,9 @@ test: install
 	$(MAKE) site
 	$(MAKE) site-test
 
-# Benchmarks (minutes, not part of `make test`): writes docs/performance/ and
-# docs/performance.md; `$(PY) -m benchmarks.run --quick` for a smoke run.
+# Benchmarks (minutes, not part of `make test`): writes results.json and the generated
+# tables and plots in docs/performance/ (docs/performance.md includes them); `$(PY) -m
+# benchmarks.run --quick` for a smoke run.
 bench: install
 	$(PY) -m pip install -e '.[bench]'
 	$(PY) -m benchmarks.run

@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu.sh                 # 2 replicas (2 GPUs, or 1 GPU split in two)
 #   bash benchmarks/gpu.sh --replicas 4    # any option of `python -m benchmarks.run`
 #
-# Writes docs/performance/results-gpu.json (+ results-gpu.md, *-gpu.png) and re-renders
-# docs/performance.md, whose GPU section then shows these numbers. Refuses to run (exit 1)
+# Writes docs/performance/results-gpu.json (+ the generated *-gpu tables and plots), which
+# the GPU section of docs/performance.md includes. Refuses to run (exit 1)
 # without nvidia-smi, or when TensorFlow sees no GPU (`--require-gpu`), so a CPU figure
 # can never land in the GPU section.
 set -euo pipefail

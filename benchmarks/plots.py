@@ -23,6 +23,7 @@ from benchmarks.rows import (
     strategy_title,
 )
 
+
 def _pyplot():
     import matplotlib
 

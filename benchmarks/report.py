@@ -15,7 +15,6 @@ parent folder, where the page is.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from benchmarks.rows import (
@@ -32,7 +31,6 @@ from benchmarks.rows import (
     ours_and_baselines,
     pct,
     points,
-    results_file,
     spread,
     strategy_title,
 )
@@ -72,7 +70,7 @@ def short_error(row: dict, limit: int = 150) -> str:
     if row.get("reason"):
         return row["reason"]
     error = row.get("error") or {}
-    message = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", error.get("message", "")).split())
+    message = " ".join(error.get("message", "").split())  # colour codes: stripped by run
     if len(message) > limit:
         message = message[:limit].rstrip() + " …"
     return f"`{error.get('type', 'Error')}`: {message}"
@@ -280,8 +278,8 @@ def run_text(results: dict) -> str:
                        "(`pip install -e '.[bench]'`), so its rows say so.")
     text += f" PyPI `gradient-accumulator` {pypi['version']} was installed."
     for key, what in (("import_error", "Importing it failed"),
-                      ("optimizer_error", "Its `GradientAccumulateOptimizer` cannot be created "
-                                          "on Keras 3 (the rows measure its model)")):
+                      ("optimizer_error", ("Its `GradientAccumulateOptimizer` cannot be "
+                                           "created on Keras 3 (the rows measure its model)"))):
         if pypi.get(key):
             message = " ".join(pypi[key]["message"].split())[:160]
             text += f" {what}: `{pypi[key]['type']}`: {cell(message)} …"

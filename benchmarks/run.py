@@ -13,15 +13,15 @@ What runs, in order (see `benchmarks.approaches` for the runners):
    (graph, derived and measured in the distributed group) and the accumulation's own
    kernels' share of op time (`benchmarks.trace`); **allocator memory** of one update;
 3. **scaling in k**: our approaches and the baselines at every k of `--ks`, distributed
-   (profiler all-reduce counts included);
+   (a profiler trace of one update each: measured all-reduces, op time);
 4. **scaling in replicas**: the same at k = `--k` on one replica (MirroredStrategy over
    one device); the no-strategy and distributed points come from the main groups;
 5. **peak RSS** of micro-batching vs plain B/k vs plain B, each in a fresh process
    (`benchmarks.measure.fresh_process_memory`).
 
 On a machine with GPUs the replicas are GPUs (`distgrad.make_strategy`), the `gpu`
-size preset is used, and the files get a `-gpu` suffix, so CPU and GPU results live
-side by side and the page shows both (`benchmarks.report`).
+size preset is used, and the results file gets a `-gpu` suffix, so CPU and GPU results
+live side by side and the page shows both (`benchmarks.report`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# oneDNN's CPU allocator keeps the allocator statistic the memory tables read; TF turns
+# oneDNN on by default only on some CPUs (AVX-512 and newer), so ask for it everywhere.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # `python benchmarks/run.py`: make `benchmarks` importable
@@ -210,7 +213,8 @@ def measure(args) -> dict:
     replica_devices(args.replicas)  # logical devices first, before any other TF work
     import tensorflow as tf
 
-    from benchmarks import approaches, fit_runners, measure as measures, runners
+    from benchmarks import approaches, fit_runners, runners
+    from benchmarks import measure as measures
 
     physical_gpus = len(tf.config.list_physical_devices("GPU"))
     if args.require_gpu and not physical_gpus:
@@ -270,6 +274,7 @@ def measure(args) -> dict:
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "load_average_start": list(load_start),
                     "load_average_end": list(os.getloadavg()),
+                    "tf_enable_onednn_opts": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
                     "shared": "other engineers' work ran on the same cores" if label == "cpu"
                     else None},
         "git_commit": _git_commit(),
@@ -294,11 +299,12 @@ def measure(args) -> dict:
 def main(argv=None) -> int:
     args = _defaults(_parse(argv))
     from benchmarks import report
+    from benchmarks.rows import results_file
 
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         results = measure(args)
-        path = report.results_file(args.out, results["label"])
+        path = results_file(args.out, results["label"])
         path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
         _log(f"wrote {path} ({results['wall_seconds']:.0f} s)")
     written = report.render_all(args.out)

@@ -277,7 +277,7 @@ fig.tight_layout()
 # That needs a custom loop.
 #
 # **(b) Decide in cross-replica context**, as `LossScaleOptimizer` does. That fits inside
-# one traced step, hence inside `model.fit`. `AccumulatingOptimizer(optimizer, steps)` is
+# one traced step, hence inside `model.fit`. `AccumulatingOptimizer(inner_optimizer, accumulation_steps)` is
 # a Keras 3 optimizer: its `apply` adds this replica's gradients to replica-local float32
 # accumulators (ON_READ variables: no communication), then `merge_call`s once:
 
@@ -289,7 +289,7 @@ print(inspect.getsource(AccumulatingOptimizer._apply_accumulated))
 # The inner optimizer's ordinary `apply` then runs on `accumulated / k` in replica
 # context: its one SUM all-reduce is the only gradient communication of the cycle, its
 # `iterations` counts updates (the wrapper's `iterations` *is* the inner one;
-# `micro_steps` counts calls), and its weight decay runs once per update. Clipping moves
+# `total_micro_steps` counts calls), and its weight decay runs once per update. Clipping moves
 # from the inner optimizer to the wrapper, which clips the all-reduced mean (lesson 01:
 # Keras would clip each replica's partial gradient), paying one extra all-reduce only when
 # clipping is on. Without a strategy, the same code takes a plain `tf.cond`.

@@ -54,22 +54,25 @@ import numpy as np
 import tensorflow as tf
 from keras.src.optimizers import loss_scale_optimizer
 
+from distgrad.lab import mixed
 from distgrad.lab.compare import check_close, check_not_close
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
 
 tf.get_logger().setLevel("ERROR")  # fresh tf.functions on purpose: silence retracing notes
 assert R >= 2, "this lesson needs several replicas: set DISTGRAD_REPLICAS >= 2"
-S, C = lsp.DEFAULT_INITIAL_SCALE, lsp.CONTROLLED_INITIAL_SCALE
-MIXED = {"rtol": lsp.MIXED_PRECISION_RTOL, "atol": lsp.MIXED_PRECISION_ATOL}
+S, C = mixed.DEFAULT_INITIAL_SCALE, mixed.CONTROLLED_INITIAL_SCALE
+MIXED = {"rtol": mixed.MIXED_PRECISION_RTOL, "atol": mixed.MIXED_PRECISION_ATOL}
 print(f"default initial loss scale {S:g}; mixed-precision tolerance {MIXED}")
 
 # %% [markdown]
-# `lsp.SeedAccumulationPatch` is the question's patch line for line (plus a `calls`
-# counter); `lsp.patch_optimizer(optimizer, n, variables, target)` installs it on the
+# `SeedAccumulationPatch` (`distgrad.pitfalls.mask_trick`; lesson 03 met it) is the
+# question's patch line for line (plus a `calls` counter);
+# `lsp.patch_optimizer(optimizer, n, variables, target)` installs it on the
 # wrapper (`"loss_scale_optimizer"`) or on `inner_optimizer`. `model.compile` under
 # `mixed_float16` adds the same `LossScaleOptimizer` by itself; the user did it by hand.
-# All policy changes go through `lsp.mixed_precision_policy()`, which restores `float32`.
+# All policy changes go through `mixed.mixed_precision_policy()`, which restores `float32`.
 #
 # ## 1 · Keras 3: which methods run, where, on which gradients
 #
@@ -189,8 +192,9 @@ assert natural_patch.iterations == (0,) * 6 and natural_patch.weight_changes == 
 # The user wrote Keras 2 code: a custom `train_step` with `get_scaled_loss` /
 # `get_unscaled_gradients` and the era's `OptimizerV2` (`tf.keras.optimizers.legacy.SGD`).
 # `lsp.legacy_reproduction` runs it, the same data and both patches, under tf-keras in one
-# subprocess (`distgrad.legacy.run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow
-# is imported), plus tf-keras' newer optimizer (`LossScaleOptimizerV3`).
+# child process (`distgrad.lab.legacy.run_legacy` sets `TF_USE_LEGACY_KERAS=1` before
+# TensorFlow is imported; the tf-keras code is `distgrad/pitfalls/legacy_loss_scale.py`),
+# plus tf-keras' newer optimizer (`LossScaleOptimizerV3`).
 
 # %%
 legacy = lsp.legacy_reproduction(replicas=R)
@@ -260,9 +264,10 @@ assert legacy["stock, overflow on replica 1 only"].weights_finite  # tf-keras go
 
 # %% [markdown]
 # An overflow on replica 1 only is applied: the inner optimizer's all-reduce sums `inf`
-# into every copy of the weights. `first_replica.AllReplicasFiniteLossScaleOptimizer` is
-# the stock wrapper with `finite = reduce_all(stack(experimental_local_results(...)))`:
-# all replicas' flags, read in cross-replica context (no extra collective).
+# into every copy of the weights. The fix,
+# `distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer`, is the stock wrapper
+# with `finite = reduce_all(stack(experimental_local_results(...)))`: all replicas'
+# flags, read in cross-replica context (no extra collective).
 
 # %%
 for replicas_hit in [(1,), (0,)]:
@@ -281,30 +286,30 @@ for replicas_hit in [(1,), (0,)]:
 #   was computed with before our `apply` adds it — the scale may change inside a cycle;
 # * **float32 accumulators**, whatever the variables' dtype (asserted below);
 # * **a micro-batch the wrapper sees overflow is skipped before accumulation**: not added,
-#   not counted in `micro_steps`, loss scale halved, `iterations` unchanged; the cycle
+#   not counted in `total_micro_steps`, loss scale halved, `iterations` unchanged; the cycle
 #   waits for `steps` good micro-batches.
 
 # %%
 mb = 4 * R
-x, y = lsp.overflow_data(8, mb, None, R)
-auto = lsp.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)
+x, y = mixed.overflow_data(8, mb, None, R)
+auto = mixed.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)
 print(auto.wrapper, "(", auto.wrapped, ")", "accumulators:", auto.accumulator_dtypes)
 assert (auto.wrapper, auto.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
 assert auto.accumulator_dtypes == ("float32",) * 4
 for name, make in {"sgd": lambda: keras.optimizers.SGD(0.1),
                    "adam": lambda: keras.optimizers.Adam(0.01)}.items():
-    accumulated = lsp.mixed_precision_fit(strategy, x, y, mb, 2, make)
-    big_batch = lsp.mixed_precision_fit(strategy, x, y, 2 * mb, None, make)
+    accumulated = mixed.mixed_precision_fit(strategy, x, y, mb, 2, make)
+    big_batch = mixed.mixed_precision_fit(strategy, x, y, 2 * mb, None, make)
     print(f"{name}: 8 micro-batches, k=2 vs 4 big-batch steps:",
           check_close(accumulated.final_weights, big_batch.final_weights, **MIXED))
     assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)
 
 # %%
-x6, y6 = lsp.overflow_data(6, mb, None, R)
+x6, y6 = mixed.overflow_data(6, mb, None, R)
 growing = lambda inner, **kw: keras.mixed_precision.LossScaleOptimizer(
     inner, **{**kw, "dynamic_growth_steps": 1})  # the scale doubles after every micro-batch
-fixed = lsp.mixed_precision_fit(strategy, x6, y6, mb, 2, lambda: keras.optimizers.SGD(0.2),
-                                initial_scale=16, dynamic_growth_steps=1)
+fixed = mixed.mixed_precision_fit(strategy, x6, y6, mb, 2, lambda: keras.optimizers.SGD(0.2),
+                                  initial_scale=16, dynamic_growth_steps=1)
 patched = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None, initial_scale=16,
                         wrapper=growing)
 reference = lsp.accumulated_reference(strategy, initial_scale=16)
@@ -324,17 +329,17 @@ print("seed patch on the wrapper vs big batch:", check_not_close(patched.final_w
 
 # %%
 def skipped(record):
-    previous = (0,) + record.micro_steps[:-1]
-    return [t + 1 for t, (a, b) in enumerate(zip(previous, record.micro_steps)) if a == b]
+    previous = (0,) + record.total_micro_steps[:-1]
+    return [t + 1 for t, (a, b) in enumerate(zip(previous, record.total_micro_steps)) if a == b]
 
 
-x16, y16 = lsp.overflow_data(16, mb, 8, R)
+x16, y16 = mixed.overflow_data(16, mb, 8, R)
 trajectories = {
-    "Keras LossScaleOptimizer": lsp.mixed_precision_fit(
+    "Keras LossScaleOptimizer": mixed.mixed_precision_fit(
         strategy, x16, y16, mb, 2, initial_scale=S, dynamic_growth_steps=3),
-    "AllReplicasFiniteLossScaleOptimizer": lsp.mixed_precision_fit(
+    "AllReplicasFiniteLossScaleOptimizer": mixed.mixed_precision_fit(
         strategy, x16, y16, mb, 2, initial_scale=S, dynamic_growth_steps=3,
-        wrapper=first_replica.AllReplicasFiniteLossScaleOptimizer),
+        wrapper=AllReplicasFiniteLossScaleOptimizer),
 }
 fig, (ax_scale, ax_updates) = plt.subplots(1, 2, figsize=(11, 3.5))
 steps = np.arange(1, 17)
@@ -359,18 +364,18 @@ safe = trajectories["AllReplicasFiniteLossScaleOptimizer"]
 scales = (S,) + safe.loss_scales
 assert all(safe.weights_finite) and 8 in skipped(safe)
 assert [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2] == skipped(safe)
-assert safe.iterations[-1] == safe.micro_steps[-1] // 2
+assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2
 stock_run = trajectories["Keras LossScaleOptimizer"]
 if not all(stock_run.weights_finite):  # an overflow the wrapper missed
     t = stock_run.weights_finite.index(False)
     missed = sorted(set(skipped(safe)) - set(skipped(stock_run)))
     assert missed and missed[0] <= t + 1  # the all-replica check skipped it, in this cycle
     assert stock_run.loss_scales[t] == stock_run.loss_scales[t - 1]  # no halving: unseen
-    assert stock_run.micro_steps[t] == stock_run.micro_steps[t - 1] + 1  # accumulated
+    assert stock_run.total_micro_steps[t] == stock_run.total_micro_steps[t - 1] + 1  # added
 
 # %% [markdown]
-# Read the plot: every halving of the scale is a skipped micro-batch (`micro_steps` does
-# not move) and a pause in the updates; growth follows every 3 good micro-batches.
+# Read the plot: every halving of the scale is a skipped micro-batch (`total_micro_steps`
+# does not move) and a pause in the updates; growth follows every 3 good micro-batches.
 # Compare the two printouts: a micro-batch the all-replica wrapper skips but Keras'
 # wrapper does not is an overflow that happened *by itself* on a replica other than 0
 # (we injected only the one on all replicas). Under Keras' wrapper it is accumulated and
@@ -387,14 +392,15 @@ if not all(stock_run.weights_finite):  # an overflow the wrapper missed
 # halves the scale.) With an overflow on replica 1 only, at micro-batch 3:
 
 # %%
-x_hole, y_hole = lsp.overflow_data(8, mb, 3, R, overflow_replicas=(1,))
-hole = lsp.mixed_precision_fit(strategy, x_hole, y_hole, mb, 2)
+x_hole, y_hole = mixed.overflow_data(8, mb, 3, R, overflow_replicas=(1,))
+hole = mixed.mixed_precision_fit(strategy, x_hole, y_hole, mb, 2)
 print("Keras' wrapper:    iterations", hole.iterations, "finite", hole.weights_finite)
 assert all(hole.weights_finite) and hole.iterations == (0, 1, 1, 1, 1, 2, 2, 3)  # cycle 2 dropped
-guarded = lsp.mixed_precision_fit(strategy, x_hole, y_hole, mb, 2,
-                                  wrapper=first_replica.AllReplicasFiniteLossScaleOptimizer)
-print("all-replica check: micro_steps", guarded.micro_steps, "finite", guarded.weights_finite)
-assert all(guarded.weights_finite) and guarded.micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)
+guarded = mixed.mixed_precision_fit(strategy, x_hole, y_hole, mb, 2,
+                                    wrapper=AllReplicasFiniteLossScaleOptimizer)
+print("all-replica check: total_micro_steps", guarded.total_micro_steps,
+      "finite", guarded.weights_finite)
+assert all(guarded.weights_finite) and guarded.total_micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)
 
 # %% [markdown]
 # ## Takeaways

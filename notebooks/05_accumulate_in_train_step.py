@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -53,7 +55,7 @@ import tensorflow as tf
 
 from distgrad.lab.compare import check_close, weights_of
 from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import fit_step_placement, placement_of_graph
+from distgrad.lab.graph import fit_step_placement
 from distgrad.pitfalls import compound_assignment, final_solution
 from distgrad.train_step import MicroBatching, check_micro_batches, with_micro_batches
 
@@ -322,7 +324,7 @@ except ValueError as err:
 # number is a lower bound that tracks the large activations, which is what k changes.
 
 # %%
-from distgrad.memory import (
+from distgrad.lab.memory import (
     allocator_counts,
     allocator_device,
     fresh_process_step_memory,
@@ -344,7 +346,7 @@ MICRO = [1, 2, 4, 8, 16]
 step_mib, step_ms = {}, {}
 for k in MICRO:
     with strategy.scope():
-        model = wide_mlp(micro_batches=k, **WIDE)
+        model = wide_mlp(accumulation_steps=k, **WIDE)
     model.fit(wide_x, wide_y, batch_size=WIDE_BATCH, verbose=0)  # trace; not measured
     step, seconds = profile_fit_step(model, wide_x, wide_y, WIDE_BATCH, timed_steps=3,
                                      device=device)  # seconds: fastest of 3 steps
@@ -484,25 +486,14 @@ assert abs(audit.two_replica_update_ratio - 1 / audit.replicas_of_model) < 1e-6
 # `MicroBatchingModel`, on the lesson's strategy, against plain Keras on one device.
 
 # %%
-from distgrad.train_step import MicroBatchingModel
+from distgrad.lab.data import classifier_model
 
 labels = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")  # 3 classes
 
 
-def classifier(micro_batches=None):
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(16, activation="sigmoid",
-                           kernel_initializer=keras.initializers.GlorotUniform(seed=0))(inputs)
-    outputs = keras.layers.Dense(3, activation="softmax",
-                                 kernel_initializer=keras.initializers.GlorotUniform(seed=1))(h)
-    if micro_batches is None:
-        return keras.Model(inputs, outputs)
-    return MicroBatchingModel(inputs, outputs, accumulation_steps=micro_batches)
-
-
 def fit_classifier(on, micro_batches=None):
     with on.scope():
-        model = classifier(micro_batches)
+        model = classifier_model(micro_batches)
         model.compile(optimizer=keras.optimizers.Adam(1e-2),
                       loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["acc"])
     history = model.fit(x, labels, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)

@@ -22,10 +22,11 @@
 # multi-process run**: two worker processes on this machine, each with its own
 # `TF_CONFIG`, talking over localhost — not a simulation.
 #
-# `distgrad.multiworker.run_workers(target, num_workers)` starts the workers (free ports
-# picked at run time), calls `target(task_index, num_workers, **options)` in each, collects
-# their results, and kills every process it started when it returns or times out. The
-# worker functions live in `distgrad/multiworker_experiments.py`.
+# `distgrad.lab.multiworker.run_workers(target, num_workers)` starts the workers (free
+# ports picked at run time), calls `target(task_index, num_workers, **options)` in each,
+# collects their results (one `ChildResult` per worker, in task order), and kills every
+# process it started when it returns or times out. The worker functions live in
+# `distgrad/lab/workers.py`.
 
 # %%
 import distgrad
@@ -41,9 +42,9 @@ import tempfile
 
 from distgrad.lab.compare import check_close, weights_of
 from distgrad.lab.data import tiny_model
-from distgrad.multiworker import run_workers
+from distgrad.lab.multiworker import run_workers
 
-EXPERIMENTS = "distgrad.multiworker_experiments"
+EXPERIMENTS = "distgrad.lab.workers"
 WORKERS = 2
 
 # %% [markdown]
@@ -57,8 +58,8 @@ WORKERS = 2
 # %%
 results = run_workers(f"{EXPERIMENTS}:sync_and_equivalence", WORKERS, timeout=240,
                       optimizer="adam", steps=3)
-for r in results:
-    print(f"worker {r.task_index}: ok={r.ok} {r.seconds:.1f}s", r.value)
+for task_index, r in enumerate(results):
+    print(f"worker {task_index}: ok={r.ok} {r.seconds:.1f}s", r.value)
 
 # %%
 for r in results:
@@ -90,8 +91,8 @@ assert all(r.value["supports_no_merge_call"] is False for r in results)
 
 # %%
 cond = run_workers(f"{EXPERIMENTS}:cond_around_apply", WORKERS, timeout=240)
-for r in cond:
-    print(f"worker {r.task_index}:", r.value["error"]["type"], "—",
+for task_index, r in enumerate(cond):
+    print(f"worker {task_index}:", r.value["error"]["type"], "—",
           r.value["error"]["message"].splitlines()[-1][:160], "...")
     assert r.value["error"]["type"] == "RuntimeError"
     assert "`merge_call` called while defining a new graph" in r.value["error"]["message"]
@@ -115,9 +116,9 @@ for r in cond:
 for recipe in ("accumulator", "optimizer"):
     runs = run_workers(f"{EXPERIMENTS}:accumulated_equivalence", WORKERS, timeout=240,
                        recipe=recipe, optimizer="adam", accumulation_steps=2, updates=2)
-    for r in runs:
+    for task_index, r in enumerate(runs):
         assert r.ok, r.stderr_tail
-        print(f"worker {r.task_index}:", r.value)
+        print(f"worker {task_index}:", r.value)
         assert r.value["iterations"] == 2 and r.value["max_abs_diff_vs_one_device"] <= 1e-6
         if recipe == "accumulator":
             assert r.value["all_reduce_ops_per_micro_step_function"] == 0

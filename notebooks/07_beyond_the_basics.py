@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -174,13 +176,13 @@ assert clip.schedule_vs_constant_learning_rate.max_abs > 1e-2  # the schedule re
 #
 # Save after 6 micro-batches — one update done, 2 of the next 4 micro-batches
 # accumulated — with `model.save`. A **new Python process** loads the model under its
-# own `MirroredStrategy` and fits the rest. `distgrad.resume` runs both phases as
-# subprocesses; we compare with one uninterrupted run here.
+# own `MirroredStrategy` and fits the rest. `distgrad.lab.resume` runs both phases as
+# fresh processes; we compare with one uninterrupted run here.
 
 # %%
 import tempfile
 
-from distgrad import resume
+from distgrad.lab import resume
 
 report = resume.resume_in_fresh_processes(tempfile.mkdtemp(prefix="distgrad-resume-"), replicas=R)
 print({k: v for k, v in report.items() if k != "weights"})

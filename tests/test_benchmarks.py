@@ -1,16 +1,20 @@
 """Smoke test of `benchmarks/`: the whole benchmark at its quick size, in a fresh process.
 
-The numbers of a quick run mean nothing (a model of 32 hidden units, two rounds); what is
-checked is that every section is produced and well-formed, that the all-reduce counts
-are the facts the Performance page states (ours 1 per update, the plain step k, graph =
-derived = profiler-measured), that Keras' built-in accumulation and the PyPI package fail
-under MirroredStrategy the way the page says, and that bad options fail clearly.
+The numbers of a quick run mean nothing (32 hidden units, two rounds). Checked: every
+section is produced and well-formed; every table the hand-written Performance page
+includes is written, and the committed ones are what the report makes of the committed
+JSON; the all-reduce counts are the page's facts (ours 1 per update, the plain step k,
+graph = derived = profiler-measured); the op-time categories find the accumulation's
+kernels in real traces; Keras' built-in accumulation and the PyPI package fail under
+MirroredStrategy as the page says; bad options fail clearly.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,26 +26,27 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import measure, report, run
+from benchmarks import measure, report, run, trace
 
 MERGE_CALL_ERROR = "`merge_call` called while defining a new graph or a tf.function."
 OURS = {"accumulating_optimizer_fit", "micro_batching_fit", "gradient_accumulator_custom",
         "accumulating_optimizer_custom"}
 PLAIN = {"plain_fit", "plain_custom"}
+PAGE = ROOT / "docs" / "performance.md"
+INCLUDE = re.compile(r'^--8<-- "performance/([a-z0-9-]+\.md)"$', re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """(results, out dir, page path) of one `python -m benchmarks.run --quick`."""
+    """(results, out dir) of one `python -m benchmarks.run --quick`."""
     out = tmp_path_factory.mktemp("bench")
-    page = out / "page" / "performance.md"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out), "--page", str(page)],
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((out / "results.json").read_text()), out, page
+    return json.loads((out / "results.json").read_text()), out
 
 
 def _group(results, section, strategy, k=None):
@@ -58,28 +63,55 @@ def _rows(group):
 # --- files ------------------------------------------------------------------------------
 
 
-def test_quick_run_writes_json_markdown_three_plots_and_the_page(quick):
-    results, out, page = quick
+def test_quick_run_writes_json_three_plots_and_every_table_the_page_includes_once(quick):
+    results, out = quick
     assert results["schema"] == run.SCHEMA and results["label"] == "cpu"
     assert results["preset"] == "quick"
     for name in ("overhead.png", "scaling.png", "memory.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    tables = (out / "results.md").read_text()
-    assert tables.startswith("# Benchmark results (CPU)")
-    text = page.read_text()
-    for heading in ("# Performance", "### 1. Step-time overhead", "### 2. All-reduces per update",
-                    "### 3. Peak memory", "### 4. Scaling", "## GPU results"):
-        assert f"\n{heading}" in f"\n{text}", heading
-    # Images and the JSON are linked relative to the page, and exist there.
-    assert "](../overhead.png)" in text and "](../results.json)" in text
+    page = PAGE.read_text(encoding="utf-8")
+    included = INCLUDE.findall(page)
+    written = sorted(p.name for p in out.glob("*.md"))
+    # Each generated file is included exactly once, and the page holds no table itself.
+    assert sorted(included) == written == sorted(f"{n}.md" for n in [*report.TITLES, "gpu"])
+    assert not [line for line in page.splitlines() if line.startswith("|")]
+    for name in written:
+        assert (out / name).read_text(encoding="utf-8").strip(), name
+    assert "](performance/overhead.png)" in page and "](performance/results.json)" in page
     # Without a GPU run, the GPU section says so and holds no number.
-    gpu = text.split("## GPU results", 1)[1].split("## Reproduce", 1)[0]
+    gpu = (out / "gpu.md").read_text(encoding="utf-8")
     assert "No GPU figures have been measured yet" in gpu
     assert " ms" not in gpu and "%" not in gpu
 
 
+def test_committed_tables_are_what_the_report_makes_of_the_committed_json(tmp_path):
+    docs = ROOT / "docs" / "performance"
+    for name in ("results.json", "results-gpu.json"):
+        if (docs / name).is_file():
+            shutil.copy(docs / name, tmp_path / name)
+    report.render_all(tmp_path)
+    for made in tmp_path.glob("*.md"):
+        assert filecmp.cmp(made, docs / made.name, shallow=False), (
+            f"docs/performance/{made.name} is stale: run `python -m benchmarks.run --report-only`")
+
+
+def test_a_verdict_only_when_the_quartiles_are_within_the_target():
+    def row(q1, median, q3, ours=True, role="approach"):
+        return {"ours": ours, "role": role,
+                "overhead_percent": {"q1": q1, "median": median, "q3": q3}}
+
+    assert report.verdict(row(0.5, 1.0, 3.0)) == "yes"
+    assert report.verdict(row(3.5, 4.0, 5.0)) == "no"
+    # A median well below the target is no verdict when the middle half of the rounds
+    # spans more than the target (the second: MicroBatching, one device, results.json).
+    assert report.verdict(row(-9.0, -6.0, -5.9)) == report.NOT_RESOLVABLE
+    assert report.verdict(row(-13.6, -7.4, -2.2)) == report.NOT_RESOLVABLE
+    assert report.verdict(row(0.0, 1.0, 2.0, ours=False)) == ""
+    assert report.verdict(row(0.0, 1.0, 9.0, ours=False, role="reference")) == "(reference)"
+
+
 def test_every_approach_has_a_row_in_both_main_groups_and_the_environment_is_recorded(quick):
-    results, _, _ = quick
+    results, _ = quick
     expected = {"plain_fit", "plain_big_fit", "accumulating_optimizer_fit", "micro_batching_fit",
                 "keras_builtin_fit", "mask_trick_fit", "pypi_gradient_accumulator_fit",
                 "plain_custom", "gradient_accumulator_custom", "accumulating_optimizer_custom"}
@@ -95,7 +127,7 @@ def test_every_approach_has_a_row_in_both_main_groups_and_the_environment_is_rec
 
 
 def test_every_timed_row_has_one_time_per_round_and_consistent_statistics(quick):
-    results, _, _ = quick
+    results, _ = quick
     for group in results["groups"]:
         for row in group["rows"]:
             if row["status"] != "ok":
@@ -129,7 +161,7 @@ def test_summary_and_paired_ratios_are_computed_per_round():
 
 
 def test_ours_make_one_all_reduce_per_update_and_the_plain_step_k_in_graph_derivation_and_trace(quick):
-    results, _, _ = quick
+    results, _ = quick
     group = _group(results, "main", "R2")
     k = group["k"]
     rows = _rows(group)
@@ -153,8 +185,12 @@ def test_ours_make_one_all_reduce_per_update_and_the_plain_step_k_in_graph_deriv
                                                                           "conditional": 0}
 
 
-def test_measured_all_reduces_per_update_follow_k_for_the_plain_step_only(quick):
-    results, _, _ = quick
+def test_scaling_groups_cover_every_k_and_one_replica_and_all_reduces_follow_k(quick):
+    results, _ = quick
+    assert results["ks"] == [1, 2] and results["k"] == 2
+    single = _group(results, "scaling_replicas", "R1", results["k"])
+    assert single["replicas"] == 1 and set(_rows(single)) == OURS | PLAIN
+    assert set(_rows(_group(results, "scaling_k", "R2", 1))) == OURS | PLAIN
     for k in results["ks"]:
         group = _group(results, "main" if k == results["k"] else "scaling_k", "R2", k)
         rows = _rows(group)
@@ -184,14 +220,82 @@ def test_profiler_events_count_all_reduce_kernels_on_host_planes_only():
         line = plane.lines.add()
         for metadata_id in (1, 1, 2, 3, 1):
             line.events.add(metadata_id=metadata_id)
-    assert measure.all_reduce_events(space.SerializeToString()) == 3
+    assert trace.all_reduce_events(space.SerializeToString()) == 3
+
+
+# --- op time by kernel category -------------------------------------------------------
+
+
+def _tiny_step(optimizer):
+    """A traced custom-loop step (no strategy) of a 2-layer model, run once."""
+    import keras
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    x, y = tf.ones((2, 4)), tf.ones((2, 1))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    step()
+    return step
+
+
+def test_op_time_finds_the_accumulating_optimizers_kernels_in_a_real_trace():
+    import keras
+
+    from distgrad.optimizer import AccumulatingOptimizer
+
+    plain = _tiny_step(keras.optimizers.SGD(0.1))
+    accumulating = _tiny_step(AccumulatingOptimizer(keras.optimizers.SGD(0.1), 2))
+    plain_record = trace.op_time(trace.profile(lambda: [plain() for _ in range(2)]))
+    spaces = trace.profile(lambda: [accumulating() for _ in range(2)])  # one update
+    types = [op_type for space in spaces for _, op_type, _ in trace.op_events(space)]
+    # 4 variables: one buffer += gradient each per micro-batch; one IsFinite per buffer.
+    assert types.count("AssignAddVariableOp") == 8 and types.count("IsFinite") == 4
+    record = trace.op_time(spaces)
+    assert record["kernels"]["accumulate"] == 8 and record["kernels"]["finiteness check"] >= 4
+    assert record["total_us"] > sum(record["us"].values()) > 0
+    assert record["percent"]["accumulate"] == pytest.approx(
+        100 * record["us"]["accumulate"] / record["total_us"])
+    # The plain step runs none of them: only Keras' own counter assigns.
+    assert plain_record["kernels"]["accumulate"] == plain_record["kernels"]["finiteness check"] == 0
+    assert plain_record["kernels"]["assign"] > 0
+    assert not any(trace.all_reduce_events(space) for space in spaces)  # no strategy
+    # Executor bookkeeping events are not op kernels.
+    names = {name for space in spaces for name, _, _ in trace.op_events(space)}
+    assert not [n for n in names if "ExecutorState" in n or " " in n]
+    assert trace.category("micro_batches/body/_1/micro_batches/add_4", "AddV2") == "accumulate"
+    assert trace.category("functional/dense/Add", "AddV2") is None
+
+
+def test_quick_run_traces_the_accumulation_kernels_of_ours_and_none_in_the_plain_step(quick):
+    results, _ = quick
+    variables = 4  # Dense(hidden) and Dense(1): kernel and bias each
+    for strategy in ("none", "R2"):
+        group = _group(results, "main", strategy)
+        rows = _rows(group)
+        for key in OURS:  # each micro-batch adds every gradient once, on every replica
+            # (MicroBatching: AddV2 in its loop body, the others: AssignAddVariableOp)
+            kernels = rows[key]["op_time"]["kernels"]
+            assert kernels["accumulate"] >= variables * group["k"] * group["replicas"], key
+            assert 0 < report.kernel_share(rows[key]) < 100
+        for key in ("accumulating_optimizer_fit", "accumulating_optimizer_custom"):
+            assert rows[key]["op_time"]["kernels"]["finiteness check"] > 0
+        for key in PLAIN:
+            kernels = rows[key]["op_time"]["kernels"]
+            assert kernels["accumulate"] == kernels["finiteness check"] == 0, (strategy, key)
 
 
 # --- what does not run, and why ------------------------------------------------------------
 
 
 def test_keras_builtin_and_pypi_model_run_without_a_strategy_and_raise_merge_call_error_mirrored(quick):
-    results, _, _ = quick
+    results, _ = quick
     alone, mirrored = _rows(_group(results, "main", "none")), _rows(_group(results, "main", "R2"))
     assert alone["keras_builtin_fit"]["status"] == "ok"
     builtin = mirrored["keras_builtin_fit"]
@@ -218,7 +322,7 @@ def test_keras_builtin_and_pypi_model_run_without_a_strategy_and_raise_merge_cal
 
 
 def test_memory_records_exist_for_each_distributed_runner_and_each_fresh_process(quick):
-    results, _, _ = quick
+    results, _ = quick
     for row in _group(results, "main", "R2")["rows"]:
         if row["status"] != "ok":
             continue
@@ -240,7 +344,7 @@ def test_memory_records_exist_for_each_distributed_runner_and_each_fresh_process
 
 
 def test_accumulator_buffers_are_one_float32_copy_of_the_weights(quick):
-    results, _, _ = quick
+    results, _ = quick
     s = results["sizes"]
     weights = (s["features"] * s["hidden"] + s["hidden"]
                + (s["layers"] - 1) * (s["hidden"] * s["hidden"] + s["hidden"]) + s["hidden"] + 1)
@@ -250,37 +354,22 @@ def test_accumulator_buffers_are_one_float32_copy_of_the_weights(quick):
         == 4 * weights + 8
 
 
-# --- scaling ----------------------------------------------------------------------------------
-
-
-def test_scaling_groups_cover_every_k_and_one_replica(quick):
-    results, _, _ = quick
-    assert results["ks"] == [1, 2] and results["k"] == 2
-    scaling = _group(results, "scaling_k", "R2", 1)
-    assert set(_rows(scaling)) == OURS | PLAIN
-    single = _group(results, "scaling_replicas", "R1", results["k"])
-    assert single["replicas"] == 1 and set(_rows(single)) == OURS | PLAIN
-
-
 # --- options and errors ---------------------------------------------------------------------
 
 
-def test_bad_options_fail_with_a_message_naming_the_choices(tmp_path):
+def test_bad_options_fail_naming_the_choices_and_defaults_write_into_the_docs(tmp_path):
     with pytest.raises(SystemExit, match="unknown --sections \\['bogus'\\]; choose from main"):
         run._defaults(run._parse(["--sections", "main,bogus"]))
     with pytest.raises(SystemExit, match="--replicas must be >= 2"):
         run._defaults(run._parse(["--replicas", "1"]))
     with pytest.raises(FileNotFoundError, match="run `python -m benchmarks.run` first"):
-        report.render_all(tmp_path, tmp_path / "performance.md")
-
-
-def test_default_outputs_are_the_docs_folder_and_quick_goes_to_the_ignored_results_folder():
+        report.render_all(tmp_path)
+    # Defaults: the docs folder; --quick goes to the ignored results folder.
     full = run._defaults(run._parse([]))
-    assert full.out == ROOT / "docs" / "performance" and full.page == ROOT / "docs" / "performance.md"
+    assert full.out == ROOT / "docs" / "performance"
     assert full.k == 4 and full.ks == [1, 2, 4, 8]
     quick = run._defaults(run._parse(["--quick"]))
-    assert quick.out == ROOT / "benchmarks" / "results" / "quick"
-    assert quick.page == quick.out / "performance.md" and quick.ks == [1, 2]
+    assert quick.out == ROOT / "benchmarks" / "results" / "quick" and quick.ks == [1, 2]
 
 
 def test_require_gpu_stops_before_measuring_when_tensorflow_sees_no_gpu(tmp_path):

@@ -108,7 +108,7 @@ def test_a_schedule_on_the_inner_optimizer_counts_updates(strategy2):
 
 def test_resume_mid_accumulation_in_a_fresh_process_equals_the_uninterrupted_run(
         strategy2, tmp_path):
-    from distgrad import resume
+    from distgrad.lab import resume
     from distgrad.lab.compare import check_close
 
     report = resume.resume_in_fresh_processes(str(tmp_path), replicas=2)

@@ -1,7 +1,11 @@
+import os
+
 import pytest
-from conftest import run_python
 
 from distgrad.devices import DevicePlan, environment_report, plan_devices, resolve_replicas
+from distgrad.lab.child import run_child
+
+TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 
 
 def test_plan_uses_gpus_when_enough_are_visible():
@@ -54,28 +58,16 @@ def test_fewer_replicas_than_configured_is_fine(strategy1):
 
 
 def test_make_strategy_after_runtime_init_raises_with_the_fix():
-    result = run_python(
-        """
-        import tensorflow as tf
-        tf.constant(1.0) + 1.0  # initializes the runtime with one CPU device
-        import distgrad
-        try:
-            distgrad.make_strategy(2)
-        except RuntimeError as err:
-            print("ERROR:", err)
-        """
-    )
-    assert result.returncode == 0, result.stderr
-    assert "ERROR:" in result.stdout
-    assert "already initialized" in result.stdout
-    assert "restart the kernel" in result.stdout
-    assert "DISTGRAD_REPLICAS=1" in result.stdout
+    result = run_child("workers_for_tests:strategy_after_runtime_init", env=TESTS_ON_PATH,
+                       check=False)
+    assert result.reported and result.error["type"] == "RuntimeError", result.stderr_tail
+    message = result.error["message"]
+    assert "already initialized" in message
+    assert "restart the kernel" in message
+    assert "DISTGRAD_REPLICAS=1" in message
 
 
 def test_distgrad_replicas_environment_variable_chooses_the_count():
-    result = run_python(
-        "import distgrad; print('REPLICAS', distgrad.make_strategy().num_replicas_in_sync)",
-        env={"DISTGRAD_REPLICAS": "3"},
-    )
-    assert result.returncode == 0, result.stderr
-    assert "REPLICAS 3" in result.stdout
+    result = run_child("workers_for_tests:replicas_in_sync",
+                       env={**TESTS_ON_PATH, "DISTGRAD_REPLICAS": "3"})
+    assert result.value == 3

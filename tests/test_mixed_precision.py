@@ -11,12 +11,14 @@ import functools
 import keras
 import pytest
 
+from distgrad.lab import mixed
 from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
-from distgrad.pitfalls import loss_scale_patch as lsp
+from distgrad.lab.mixed import mixed_precision_fit, overflow_data
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
+from distgrad.pitfalls import loss_scale_patch as lsp
 
-MIXED = {"rtol": lsp.MIXED_PRECISION_RTOL, "atol": lsp.MIXED_PRECISION_ATOL}
-C = lsp.CONTROLLED_INITIAL_SCALE
+MIXED = {"rtol": mixed.MIXED_PRECISION_RTOL, "atol": mixed.MIXED_PRECISION_ATOL}
+C = mixed.CONTROLLED_INITIAL_SCALE
 
 
 @pytest.fixture(autouse=True)
@@ -29,14 +31,14 @@ def float32_policy_afterwards():
 def data(strategy, micro_batches=8, overflow_step=None, overflow_replicas=None):
     replicas = strategy.num_replicas_in_sync
     micro_batch = 4 * replicas
-    x, y = lsp.overflow_data(micro_batches, micro_batch, overflow_step, replicas,
+    x, y = overflow_data(micro_batches, micro_batch, overflow_step, replicas,
                              overflow_replicas)
     return x, y, micro_batch
 
 
 def test_compile_wraps_the_accumulating_optimizer_in_a_loss_scale_optimizer(strategy):
     x, y, micro_batch = data(strategy)
-    record = lsp.mixed_precision_fit(strategy, x, y, micro_batch, initial_scale=None)
+    record = mixed_precision_fit(strategy, x, y, micro_batch, initial_scale=None)
     assert (record.wrapper, record.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
     assert record.accumulator_dtypes == ("float32",) * 4
     assert all(record.weights_finite)
@@ -45,12 +47,12 @@ def test_compile_wraps_the_accumulating_optimizer_in_a_loss_scale_optimizer(stra
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_accumulated_mixed_precision_equals_big_batch_mixed_precision(strategy, name):
     x, y, micro_batch = data(strategy)
-    accumulated = lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2, OPTIMIZERS[name])
-    big_batch = lsp.mixed_precision_fit(strategy, x, y, 2 * micro_batch, None, OPTIMIZERS[name])
+    accumulated = mixed_precision_fit(strategy, x, y, micro_batch, 2, OPTIMIZERS[name])
+    big_batch = mixed_precision_fit(strategy, x, y, 2 * micro_batch, None, OPTIMIZERS[name])
     check_close(accumulated.final_weights, big_batch.final_weights, **MIXED)
     check_not_close(accumulated.final_weights, accumulated.initial_weights, **MIXED)
     assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)  # updates, not micro-batches
-    assert accumulated.micro_steps == tuple(range(1, 9))
+    assert accumulated.total_micro_steps == tuple(range(1, 9))
     assert accumulated.accumulator_dtypes == ("float32",) * 4
 
 
@@ -59,7 +61,7 @@ def test_unscaling_each_micro_batch_survives_a_loss_scale_change_inside_a_cycle(
     # two micro-batches of each cycle are computed at different scales.
     x, y, micro_batch = data(strategy, micro_batches=6)
     reference = lsp.accumulated_reference(strategy, initial_scale=16)
-    fixed = lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2,
+    fixed = mixed_precision_fit(strategy, x, y, micro_batch, 2,
                                     lambda: keras.optimizers.SGD(0.2), initial_scale=16,
                                     dynamic_growth_steps=1)
     growing = functools.partial(keras.mixed_precision.LossScaleOptimizer, dynamic_growth_steps=1)
@@ -74,27 +76,27 @@ def test_unscaling_each_micro_batch_survives_a_loss_scale_change_inside_a_cycle(
 def test_a_micro_batch_the_wrapper_sees_overflow_is_skipped_not_counted(strategy):
     # replica 0 is the one LossScaleOptimizer checks: on 1 replica, the only one.
     x, y, micro_batch = data(strategy, overflow_step=3, overflow_replicas=(0,))
-    record = lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2)
+    record = mixed_precision_fit(strategy, x, y, micro_batch, 2)
     assert record.loss_scales == (C, C) + (C / 2,) * 6
-    assert record.micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)  # micro-batch 3 not counted
+    assert record.total_micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)  # micro-batch 3 not counted
     assert record.iterations == (0, 1, 1, 1, 2, 2, 3, 3)  # the cycle waits for 2 good ones
     assert all(record.weights_finite)
 
 
 def test_an_overflow_on_replica_1_only_never_reaches_the_weights(strategy2):
     x, y, micro_batch = data(strategy2, overflow_step=3, overflow_replicas=(1,))
-    record = lsp.mixed_precision_fit(strategy2, x, y, micro_batch, 2)
+    record = mixed_precision_fit(strategy2, x, y, micro_batch, 2)
     assert all(record.weights_finite)
     assert record.loss_scales == (C,) * 8  # the wrapper never saw it
-    assert record.micro_steps == tuple(range(1, 9))
+    assert record.total_micro_steps == tuple(range(1, 9))
     assert record.iterations == (0, 1, 1, 1, 1, 2, 2, 3)  # cycle (3, 4) dropped
 
 
 def test_a_dropped_cycle_leaves_the_weights_of_the_last_good_update(strategy2):
     x, y, micro_batch = data(strategy2, micro_batches=4, overflow_step=3,
                              overflow_replicas=(1,))
-    dropped = lsp.mixed_precision_fit(strategy2, x, y, micro_batch, 2)
-    first_cycle = lsp.mixed_precision_fit(strategy2, x[:2 * micro_batch], y[:2 * micro_batch],
+    dropped = mixed_precision_fit(strategy2, x, y, micro_batch, 2)
+    first_cycle = mixed_precision_fit(strategy2, x[:2 * micro_batch], y[:2 * micro_batch],
                                           micro_batch, 2)
     check_close(dropped.final_weights, first_cycle.final_weights, rtol=0, atol=0)
     assert dropped.iterations[-1] == 1
@@ -103,37 +105,37 @@ def test_a_dropped_cycle_leaves_the_weights_of_the_last_good_update(strategy2):
 def test_all_replicas_finite_wrapper_skips_an_overflow_on_replica_1_before_accumulation(
         strategy2):
     x, y, micro_batch = data(strategy2, overflow_step=3, overflow_replicas=(1,))
-    record = lsp.mixed_precision_fit(strategy2, x, y, micro_batch, 2,
+    record = mixed_precision_fit(strategy2, x, y, micro_batch, 2,
                                      wrapper=AllReplicasFiniteLossScaleOptimizer)
     assert all(record.weights_finite)
     assert record.loss_scales == (C, C) + (C / 2,) * 6
-    assert record.micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)
+    assert record.total_micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)
     assert record.iterations == (0, 1, 1, 1, 2, 2, 3, 3)
 
 
 def skipped_micro_batches(record):
-    """1-based micro-batches after which micro_steps did not advance."""
-    previous = (0,) + record.micro_steps[:-1]
-    return [t + 1 for t, (a, b) in enumerate(zip(previous, record.micro_steps)) if a == b]
+    """1-based micro-batches after which total_micro_steps did not advance."""
+    previous = (0,) + record.total_micro_steps[:-1]
+    return [t + 1 for t, (a, b) in enumerate(zip(previous, record.total_micro_steps)) if a == b]
 
 
 def growing_run(strategy, wrapper=None):
     """Default initial scale, growth every 3 good micro-batches, one injected overflow
     (all replicas) at micro-batch 8: the run the lesson plots."""
     x, y, micro_batch = data(strategy, micro_batches=16, overflow_step=8)
-    return lsp.mixed_precision_fit(strategy, x, y, micro_batch, 2,
-                                   initial_scale=lsp.DEFAULT_INITIAL_SCALE,
+    return mixed_precision_fit(strategy, x, y, micro_batch, 2,
+                                   initial_scale=mixed.DEFAULT_INITIAL_SCALE,
                                    dynamic_growth_steps=3, wrapper=wrapper)
 
 
 def test_loss_scale_trajectory_halves_exactly_at_the_skipped_micro_batches(strategy):
     record = growing_run(strategy, wrapper=AllReplicasFiniteLossScaleOptimizer)
-    scales = (lsp.DEFAULT_INITIAL_SCALE,) + record.loss_scales
+    scales = (mixed.DEFAULT_INITIAL_SCALE,) + record.loss_scales
     halved = [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2]
     assert 8 in halved
     assert halved == skipped_micro_batches(record)
     assert all(scales[t + 1] in (scales[t] / 2, scales[t], scales[t] * 2) for t in range(16))
-    assert record.iterations[-1] == record.micro_steps[-1] // 2
+    assert record.iterations[-1] == record.total_micro_steps[-1] // 2
     assert all(record.weights_finite)
 
 
@@ -145,11 +147,11 @@ def test_keras_wrapper_misses_a_natural_overflow_on_replica_1_and_the_cycle_is_d
     safe = growing_run(strategy2, wrapper=AllReplicasFiniteLossScaleOptimizer)
     assert 7 in skipped_micro_batches(safe) and 7 not in skipped_micro_batches(record)
     assert record.loss_scales[6] == record.loss_scales[5]  # not halved: not seen
-    assert record.micro_steps[6] == record.micro_steps[5] + 1  # counted, accumulated
+    assert record.total_micro_steps[6] == record.total_micro_steps[5] + 1  # counted, accumulated
     assert all(record.weights_finite)
 
 
 def test_with_keras_wrapper_the_growing_run_stays_finite(strategy2):
     record = growing_run(strategy2)
     assert all(record.weights_finite)
-    assert record.iterations[-1] < record.micro_steps[-1] // 2  # a cycle was dropped
+    assert record.iterations[-1] < record.total_micro_steps[-1] // 2  # a cycle was dropped

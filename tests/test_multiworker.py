@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from distgrad.multiworker import WorkerResult, free_ports, run_workers, tf_config
+from distgrad.lab.multiworker import free_ports, run_workers, tf_config
 
-EXPERIMENTS = "distgrad.multiworker_experiments"
+EXPERIMENTS = "distgrad.lab.workers"
 
 
 def test_tf_config_names_every_worker_and_this_task():
@@ -30,10 +30,12 @@ def test_bad_launcher_arguments_fail_before_starting_workers():
 
 def test_a_hanging_worker_is_killed_at_the_timeout(tmp_path):
     marker = tmp_path / "pids"
-    with pytest.raises(TimeoutError, match="did not finish within 20 s; all workers were killed"):
-        run_workers("workers_for_tests:sleep_forever", 2, timeout=20,
+    with pytest.raises(TimeoutError, match="did not finish within 5 s; all workers were killed"):
+        run_workers("workers_for_tests:sleep_forever", 2, timeout=5,
                     env={"PYTHONPATH": os.path.dirname(__file__)}, pid_file=str(marker))
-    for pid in marker.read_text().split():
+    pids = marker.read_text().split()
+    assert len(pids) == 2  # both workers were running when the timeout hit
+    for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid), 0)
 
@@ -70,15 +72,10 @@ def test_cond_around_apply_gradients_raises_the_merge_call_error_on_mwms_cpu():
 def test_a_dead_worker_makes_the_survivor_fail_fast_instead_of_hanging():
     results = run_workers(f"{EXPERIMENTS}:dead_worker", 2, timeout=120, collective_timeout=10.0)
     survivor, dead = results
-    assert dead.returncode == 3 and dead.value is None
+    assert dead.returncode == 3 and not dead.reported and dead.value is None
     assert survivor.ok, survivor.stderr_tail
     assert survivor.value["error"]["type"] in {"UnavailableError", "DeadlineExceededError"}
     assert survivor.value["seconds"] < 10.0 + 5.0
-
-
-def test_worker_result_ok_requires_exit_zero_and_no_error():
-    assert WorkerResult(0, 0, {}, None, "", 1.0).ok
-    assert not WorkerResult(0, 1, None, {"type": "X", "message": ""}, "", 1.0).ok
 
 
 def test_the_chief_checkpoint_restores_the_one_device_weights(tmp_path):

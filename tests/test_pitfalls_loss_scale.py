@@ -5,13 +5,16 @@ import keras
 import numpy as np
 import pytest
 
+from distgrad.lab import mixed
 from distgrad.lab.compare import check_close, check_not_close, weight_diff
+from distgrad.lab.data import tiny_model
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
+from distgrad.pitfalls.mask_trick import SeedAccumulationPatch
 
-S = lsp.DEFAULT_INITIAL_SCALE  # 2**15, LossScaleOptimizer's default initial scale
-C = lsp.CONTROLLED_INITIAL_SCALE  # where the controlled experiments start
-MIXED = {"rtol": lsp.MIXED_PRECISION_RTOL, "atol": lsp.MIXED_PRECISION_ATOL}
+S = mixed.DEFAULT_INITIAL_SCALE  # 2**15, LossScaleOptimizer's default initial scale
+C = mixed.CONTROLLED_INITIAL_SCALE  # where the controlled experiments start
+MIXED = {"rtol": mixed.MIXED_PRECISION_RTOL, "atol": mixed.MIXED_PRECISION_ATOL}
 
 
 @pytest.fixture(autouse=True)
@@ -142,8 +145,8 @@ def test_default_scale_overflows_naturally_on_one_replica_and_the_patch_never_re
 
 
 def test_compile_under_mixed_float16_adds_the_same_wrapper_by_itself(strategy1):
-    with lsp.mixed_precision_policy("mixed_float16"):
-        model = lsp.tiny_model()
+    with mixed.mixed_precision_policy("mixed_float16"):
+        model = tiny_model()
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         assert type(model.optimizer) is keras.mixed_precision.LossScaleOptimizer
         assert model.optimizer.initial_scale == S
@@ -151,20 +154,20 @@ def test_compile_under_mixed_float16_adds_the_same_wrapper_by_itself(strategy1):
 
 def test_seed_patch_and_patch_optimizer_refuse_bad_arguments(strategy1):
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
-        lsp.SeedAccumulationPatch(0, None, [])
+        SeedAccumulationPatch(0, None, [])
     with pytest.raises(TypeError, match="expects a keras.mixed_precision.LossScaleOptimizer"):
         lsp.patch_optimizer(keras.optimizers.SGD(0.1), 2, [])
     lso = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match="target must be one of"):
         lsp.patch_optimizer(lso, 2, [], target="model")
     with pytest.raises(ValueError, match="overflow_step must be in 1..2"):
-        lsp.overflow_data(2, 8, overflow_step=3)
+        mixed.overflow_data(2, 8, overflow_step=3)
     with pytest.raises(ValueError, match="not divisible by 3 replicas"):
-        lsp.overflow_data(2, 8, replicas=3)
+        mixed.overflow_data(2, 8, replicas=3)
 
 
 def test_mixed_precision_policy_is_restored_even_on_error():
-    with pytest.raises(RuntimeError), lsp.mixed_precision_policy("mixed_float16"):
+    with pytest.raises(RuntimeError), mixed.mixed_precision_policy("mixed_float16"):
         assert keras.mixed_precision.global_policy().name == "mixed_float16"
         raise RuntimeError("inside")
     assert keras.mixed_precision.global_policy().name == "float32"

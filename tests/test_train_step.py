@@ -1,4 +1,4 @@
-"""Lesson 05's facts: in-step micro-batching in model.fit (distgrad.train_step, distgrad.memory)."""
+"""Lesson 05's facts: in-step micro-batching in model.fit (distgrad.train_step, distgrad.lab.memory)."""
 
 import functools
 
@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 from distgrad.lab.compare import OPTIMIZERS, check_close, weights_of
-from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.data import classifier_model, regression_data, tiny_model
 from distgrad.lab.graph import fit_step_placement, placement_of_graph
-from distgrad.memory import (
+from distgrad.lab.memory import (
     StepMemory,
     allocator_counts,
     allocator_device,
@@ -157,24 +157,13 @@ def test_mixin_works_for_subclassed_models_and_leaves_unconnected_weights_alone(
     check_close(micro[-2:], initial[-2:], rtol=0, atol=0)
 
 
-def classifier(micro_batches=None):
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(16, activation="sigmoid",
-                           kernel_initializer=keras.initializers.GlorotUniform(seed=0))(inputs)
-    outputs = keras.layers.Dense(3, activation="softmax",
-                                 kernel_initializer=keras.initializers.GlorotUniform(seed=1))(h)
-    if micro_batches is None:
-        return keras.Model(inputs, outputs)
-    return MicroBatchingModel(inputs, outputs, accumulation_steps=micro_batches)
-
-
 def test_question_setup_softmax_crossentropy_and_accuracy_match_plain_fit(strategy2):
     x, _ = regression_data(EXAMPLES)
     labels = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
 
     def run(on, micro_batches):
         with on.scope():
-            model = classifier(micro_batches)
+            model = classifier_model(micro_batches)
             model.compile(optimizer=keras.optimizers.Adam(1e-2),
                           loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["acc"])
         history = model.fit(x, labels, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
@@ -460,6 +449,6 @@ def test_fresh_process_measurement_reports_rss_dominated_by_the_runtime():
     # (512, 256) float32 activations: 512 KiB, large enough for the CPU statistic
     m = fresh_process_step_memory(1, batch_size=512, features=16, hidden=256, layers=2,
                                   timed_steps=1)
-    assert (m.micro_batches, m.replicas, m.batch_size) == (1, 1, 512)
+    assert (m.accumulation_steps, m.replicas, m.batch_size) == (1, 1, 512)
     assert m.rss_peak >= m.rss_before > 10 * m.step.step_bytes > 0
     assert m.step.device == "CPU:0" and m.step_seconds > 0

@@ -1,5 +1,5 @@
-"""Child targets used only by tests of the runners themselves (`distgrad.lab.child`,
-`distgrad.lab.multiworker`, `distgrad.lab.legacy`). Children find this module through
+"""Child targets used only by tests: of the runners themselves (`distgrad.lab.child`,
+`distgrad.lab.multiworker`, `distgrad.lab.legacy`) and of what needs a fresh runtime. Children find this module through
 `PYTHONPATH` (see `TESTS_ON_PATH` in the tests); TensorFlow is imported only where
 a target needs it, so the other children start in a fraction of a second."""
 
@@ -65,3 +65,20 @@ def legacy_probe(replicas):
             "in_sync": strategy.num_replicas_in_sync,
             "not_a_number": float("nan"),
             "numpy_values": np.arange(3, dtype=np.float32)}
+
+
+def strategy_after_runtime_init():
+    """`make_strategy(2)` after TensorFlow's runtime started with one CPU device."""
+    import tensorflow as tf
+
+    tf.constant(1.0) + 1.0  # initializes the runtime with one CPU device
+    from distgrad.devices import make_strategy
+
+    make_strategy(2)
+
+
+def replicas_in_sync():
+    """`make_strategy()`'s replica count (it reads DISTGRAD_REPLICAS)."""
+    from distgrad.devices import make_strategy
+
+    return make_strategy().num_replicas_in_sync

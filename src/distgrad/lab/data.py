@@ -60,3 +60,18 @@ def embedding_model(vocab: int = 6, length: int = 5, dim: int = 3, seed: int = 0
         keras.layers.GlobalAveragePooling1D(),
         keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1)),
     ])
+
+
+def classifier_model(accumulation_steps: int | None = None) -> keras.Model:
+    """4 features -> Dense(16, sigmoid) -> 3-way softmax, seeded; a `MicroBatchingModel`
+    with `accumulation_steps` micro-batches when given, else a plain `keras.Model`."""
+    from distgrad.train_step import MicroBatchingModel
+
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(16, activation="sigmoid",
+                           kernel_initializer=keras.initializers.GlorotUniform(seed=0))(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax",
+                                 kernel_initializer=keras.initializers.GlorotUniform(seed=1))(h)
+    if accumulation_steps is None:
+        return keras.Model(inputs, outputs)
+    return MicroBatchingModel(inputs, outputs, accumulation_steps=accumulation_steps)

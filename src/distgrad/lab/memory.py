@@ -28,6 +28,7 @@ branch is unit-tested on CPU machines.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import resource
 import time
@@ -218,12 +219,15 @@ def fresh_process_step_memory(accumulation_steps: int, batch_size: int = 2048,
     One global batch of `batch_size` examples per step, `accumulation_steps` slices per
     replica. A new process per call (`distgrad.lab.child`, started through a trampoline
     so that its peak RSS is its own, not this process'), so the peak RSS belongs to
-    this configuration only. Raises `ChildError` (a RuntimeError) with the child's
+    this configuration only. The child runs with oneDNN on (`TF_ENABLE_ONEDNN_OPTS=1`
+    unless set here): TensorFlow enables it by default only on some CPUs, and without
+    it the CPU allocator keeps no statistic to read. Raises `ChildError` (a RuntimeError) with the child's
     stderr tail if it fails, TimeoutError past `timeout` seconds.
     """
     record = run_child("distgrad.lab.memory:workload", {
         "accumulation_steps": accumulation_steps, "batch_size": batch_size,
         "features": features, "hidden": hidden, "layers": layers, "replicas": replicas,
-        "timed_steps": timed_steps}, timeout=timeout, trampoline=True).value
+        "timed_steps": timed_steps}, timeout=timeout, trampoline=True,
+        env={"TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1")}).value
     record["step"] = StepMemory(**record["step"])
     return FreshProcessMeasurement(**record)

@@ -269,3 +269,16 @@ def custom_loop_run(strategy, optimizer_factory, x, y, batch_size: int,
         distributed_step(batch)
     updates, total_micro_steps = _counters(optimizer)
     return TrainingRun(initial, weights_of(model), updates, total_micro_steps, model, optimizer)
+
+
+def sgd_update_ratio(strategy, x, y, replica_step, learning_rate: float = 0.1):
+    """`(run, r)`: one SGD step of `replica_step` on the global batch `(x, y)` under
+    `strategy`, and r with its update == r * one big-batch step's update on one device."""
+    from distgrad.lab.compare import update_ratio, updates
+
+    def sgd():
+        return keras.optimizers.SGD(learning_rate)
+
+    run = run_steps(strategy, sgd, x, y, replica_step)
+    reference = big_batch_reference(sgd, x, y)
+    return run, update_ratio(updates(run.final, run.initial), updates(reference, run.initial))

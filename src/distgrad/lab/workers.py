@@ -133,6 +133,9 @@ def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 1
 
     step(tf.constant(x_local), tf.constant(y_local))
     if task_index == dying_worker:
+        # A peer may still be fetching this worker's part of step 1's all-reduce (its
+        # RecvBuf is served by this process): give it time, so only step 2 is affected.
+        time.sleep(2.0)
         os._exit(3)  # a crash: no goodbye to the peers
     started = time.monotonic()
     try:

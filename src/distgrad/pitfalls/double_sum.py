@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import keras
-
-from distgrad.lab.compare import update_ratio, updates
 from distgrad.lab.data import regression_data
 from distgrad.lab.graph import count_collectives
-from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
+from distgrad.lab.recipes import make_replica_step, sgd_update_ratio
 from distgrad.pitfalls import CapturedError
 
 
@@ -28,10 +25,9 @@ class DoubleSumRecord:
 
 def reproduce(strategy, learning_rate: float = 0.1, examples: int = 16) -> DoubleSumRecord:
     x, y = regression_data(examples)
-    optimizer = lambda: keras.optimizers.SGD(learning_rate)  # noqa: E731
-    reference = big_batch_reference(optimizer, x, y)
-    run = run_steps(strategy, optimizer, x, y,
-                    make_replica_step(len(x), apply="all_reduce_then_optimizer"))
+    run, ratio = sgd_update_ratio(
+        strategy, x, y, make_replica_step(len(x), apply="all_reduce_then_optimizer"),
+        learning_rate)
     try:
         grads_and_vars = [(v * 0.0, v) for v in run.model.trainable_variables]
         run.optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
@@ -42,7 +38,7 @@ def reproduce(strategy, learning_rate: float = 0.1, examples: int = 16) -> Doubl
         collectives = count_collectives(run.step_function, run.batch)
     return DoubleSumRecord(
         replicas=strategy.num_replicas_in_sync,
-        ratio=update_ratio(updates(run.final, run.initial), updates(reference, run.initial)),
+        ratio=ratio,
         all_reduces=collectives.all_reduces,
         aggregate_flag_error=error,
     )

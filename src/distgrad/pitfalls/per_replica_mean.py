@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import keras
-
-from distgrad.lab.compare import update_ratio, updates
 from distgrad.lab.data import regression_data
-from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
+from distgrad.lab.recipes import make_replica_step, sgd_update_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,19 +26,13 @@ class PerReplicaMeanRecord:
 
 def reproduce(strategy, learning_rate: float = 0.1, examples: int = 16) -> PerReplicaMeanRecord:
     x, y = regression_data(examples)
-    optimizer = lambda: keras.optimizers.SGD(learning_rate)  # noqa: E731
-    reference = big_batch_reference(optimizer, x, y)
-    runs = {
-        scaling: run_steps(strategy, optimizer, x, y, make_replica_step(len(x), scaling))
-        for scaling in ("per_replica_mean", "global")
-    }
-    reference_update = updates(reference, runs["global"].initial)
+    (mean_run, mean_ratio), (global_run, global_ratio) = (
+        sgd_update_ratio(strategy, x, y, make_replica_step(len(x), scaling), learning_rate)
+        for scaling in ("per_replica_mean", "global"))
     return PerReplicaMeanRecord(
         replicas=strategy.num_replicas_in_sync,
-        ratio=update_ratio(updates(runs["per_replica_mean"].final, runs["per_replica_mean"].initial),
-                           reference_update),
-        global_scaling_ratio=update_ratio(updates(runs["global"].final, runs["global"].initial),
-                                          reference_update),
-        reported_loss_per_replica_mean=runs["per_replica_mean"].reported_losses[0],
-        reported_loss_global=runs["global"].reported_losses[0],
+        ratio=mean_ratio,
+        global_scaling_ratio=global_ratio,
+        reported_loss_per_replica_mean=mean_run.reported_losses[0],
+        reported_loss_global=global_run.reported_losses[0],
     )
