@@ -10,6 +10,9 @@ import os
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# CPU allocator statistics (the memory tests) exist only with oneDNN on; TensorFlow turns
+# it on by itself only on CPUs with AVX-512 (or newer), so say it for every machine.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import distgrad  # noqa: E402
 from distgrad.devices import replica_devices  # noqa: E402

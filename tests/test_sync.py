@@ -4,10 +4,10 @@ import keras
 import pytest
 import tensorflow as tf
 
-from distgrad.lab.spy import record_sync_path, summarize_path
 from distgrad.lab.compare import OPTIMIZERS, check_close
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.recipes import big_batch_reference, make_replica_step, replica_loss, run_steps
+from distgrad.lab.spy import record_sync_path, summarize_path
 from distgrad.pitfalls import clip_before_sync, double_sum, per_replica_mean
 
 

@@ -104,7 +104,13 @@ def measure_step_memory(fn, device: str | None = None) -> StepMemory:
 
     if device is None:
         device = allocator_device(len(tf.config.list_physical_devices("GPU")))
-    tf.config.experimental.reset_memory_stats(device)
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as err:
+        raise RuntimeError(
+            f"{err}: this TensorFlow keeps no allocator statistics for {device}. On a CPU "
+            "they need oneDNN: set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow is imported "
+            "(TensorFlow enables it by itself only on CPUs with AVX-512).") from err
     before = tf.config.experimental.get_memory_info(device)
     fn()
     after = tf.config.experimental.get_memory_info(device)

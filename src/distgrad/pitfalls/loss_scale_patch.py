@@ -99,7 +99,7 @@ SPIED_METHODS = (
 )
 
 
-def _compile_patched(strategy, target, accumulation_steps, learning_rate, wrapper=None,
+def compile_patched(strategy, target, accumulation_steps, learning_rate, wrapper=None,
                      initial_scale=DEFAULT_INITIAL_SCALE):
     """A `tiny_model` compiled with `wrapper(SGD)` (default Keras' LossScaleOptimizer),
     the question's patch on `target` ("none": no patch); returns (model, optimizer,
@@ -153,7 +153,7 @@ def spy_patched_fit(strategy, target: str, accumulation_steps: int = 2,
             spy.step = batch + 1
 
     with mixed_precision_policy("mixed_float16"), spy.installed():
-        model, optimizer, _ = _compile_patched(strategy, target, accumulation_steps, 0.0)
+        model, optimizer, _ = compile_patched(strategy, target, accumulation_steps, 0.0)
         model.fit(xs, ys, batch_size=replicas * micro_batch_per_replica, epochs=1,
                   shuffle=False, verbose=0, callbacks=[StepCounter()])
     scale = float(optimizer.dynamic_scale.numpy())
@@ -167,8 +167,8 @@ def spy_patched_fit(strategy, target: str, accumulation_steps: int = 2,
 
 
 @dataclasses.dataclass(frozen=True)
-class PatchedFitRecord:
-    """What `model.fit` did to the weights, micro-batch by micro-batch.
+class PatchedFitOutcome:
+    """What a patched `model.fit` did to the weights, micro-batch by micro-batch.
 
     `loss_scales[t]`, `iterations[t]` and `weight_changes[t]` (max |Δw| over all
     weights) are read after micro-batch t+1. `patch_calls` is how often the patched
@@ -176,10 +176,6 @@ class PatchedFitRecord:
     replica's accumulator copy is finite at the end (None without a patch).
     """
 
-    target: str
-    replicas: int
-    accumulation_steps: int
-    overflow_step: int | None
     patch_calls: int | None
     loss_scales: tuple[float, ...]
     iterations: tuple[int, ...]
@@ -188,6 +184,16 @@ class PatchedFitRecord:
     weights_finite: bool
     initial_weights: list
     final_weights: list
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchedFitRecord(PatchedFitOutcome):
+    """`reproduce`'s outcome (Keras 3), with the run's settings."""
+
+    target: str
+    replicas: int
+    accumulation_steps: int
+    overflow_step: int | None
 
 
 def reproduce(strategy, target: str = "loss_scale_optimizer", micro_batches: int = 6,
@@ -208,7 +214,7 @@ def reproduce(strategy, target: str = "loss_scale_optimizer", micro_batches: int
     x, y = overflow_data(micro_batches, global_batch, overflow_step, replicas,
                          overflow_replicas)
     with mixed_precision_policy("mixed_float16"):
-        model, _, patch = _compile_patched(strategy, target, accumulation_steps, learning_rate,
+        model, _, patch = compile_patched(strategy, target, accumulation_steps, learning_rate,
                                            wrapper=wrapper, initial_scale=initial_scale)
         initial = weights_of(model)
         trajectory = LossScaleTrajectory()
@@ -245,7 +251,7 @@ def accumulated_reference(strategy, micro_batches: int = 6, accumulation_steps: 
     # The gradient sum over replicas does not depend on which replica holds which
     # example, so consecutive micro-batches simply become one big batch.
     with mixed_precision_policy("mixed_float16"):
-        model, _, _ = _compile_patched(strategy, "none", accumulation_steps,
+        model, _, _ = compile_patched(strategy, "none", accumulation_steps,
                                        learning_rate * accumulation_steps,
                                        initial_scale=initial_scale)
         model.fit(x, y, batch_size=global_batch * accumulation_steps, epochs=1,
@@ -272,23 +278,16 @@ class LegacyScenario:
 
 
 @dataclasses.dataclass(frozen=True)
-class LegacyRecord:
-    """What one scenario did under tf-keras (fields as in `PatchedFitRecord`); `error`
-    is the exception `model.fit` raised, if any; `patch_traces` what the patched
-    `apply_gradients` received while being traced (context, extra args, kwarg names)."""
+class LegacyRecord(PatchedFitOutcome):
+    """What one scenario did under tf-keras: the outcome, the wrapper's and the inner
+    optimizer's class, the exception `model.fit` raised (`error`, None if none), and
+    what the patched `apply_gradients` received while being traced (`patch_traces`:
+    context, extra args, kwarg names)."""
 
     name: str
     error: CapturedError | None
     lso_class: str
     inner_class: str
-    patch_calls: int | None
-    loss_scales: tuple[float, ...]
-    iterations: tuple[int, ...]
-    weight_changes: tuple[float, ...]
-    accumulators_finite: bool | None
-    weights_finite: bool
-    initial_weights: list
-    final_weights: list
     patch_traces: tuple[dict, ...]
 
 

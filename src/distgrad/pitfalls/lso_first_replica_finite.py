@@ -37,7 +37,7 @@ import tensorflow as tf
 from distgrad.lab.mixed import DEFAULT_INITIAL_SCALE, mixed_precision_policy, overflow_data
 from distgrad.lab.spy import spying
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
-from distgrad.pitfalls.loss_scale_patch import PatchedFitRecord, _compile_patched
+from distgrad.pitfalls.loss_scale_patch import PatchedFitRecord, compile_patched
 from distgrad.pitfalls.loss_scale_patch import reproduce as _patched_fit
 
 
@@ -89,7 +89,7 @@ def finite_flags(strategy, overflow_replicas=(1,), micro_batch_per_replica: int 
     check_finite = ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer",
                     "check_finite")
     with spying([check_finite], after=after), mixed_precision_policy("mixed_float16"):
-        model, optimizer, _ = _compile_patched(strategy, "none", 1, 0.1, wrapper=wrapper)
+        model, optimizer, _ = compile_patched(strategy, "none", 1, 0.1, wrapper=wrapper)
         model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     return FiniteFlags(
         overflow_replicas=tuple(overflow_replicas), finite_by_replica=dict(sorted(flags.items())),
