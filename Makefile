@@ -9,6 +9,10 @@ EXTRAS := course,docs,test,legacy
 # Executed copies of the lessons land here; mkdocs renders them with their outputs.
 EXECUTED := docs/lessons
 NOTEBOOK_TIMEOUT ?= 900
+# pytest-xdist workers for the unit tests and the lessons (each its own TensorFlow
+# process with its own logical devices); 2 matches CI's 2 cores. Unit tests go to workers
+# file by file (--dist loadfile), so a module's fixtures run once.
+PYTEST_WORKERS ?= 2
 # A pytest run that collects nothing exits 5; record each run's status for .ci/run.
 PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
@@ -30,6 +34,7 @@ lessons: install
 	rm -f $(EXECUTED)/*.ipynb
 	cp notebooks/*.ipynb $(EXECUTED)/
 	$(PY) -m pytest --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) --overwrite -p no:cacheprovider \
+	  -n $(PYTEST_WORKERS) \
 	  $(EXECUTED) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 site: install
@@ -63,7 +68,7 @@ serve: install
 
 unit: install
 	mkdir -p build
-	$(PY) -m pytest tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.

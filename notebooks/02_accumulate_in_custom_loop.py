@@ -32,52 +32,55 @@
 # posted answer keeps a list of accumulator variables, runs `strategy.experimental_run_v2`,
 # sums `experimental_local_results`, divides by the number of steps and applies.
 #
-# **Short answer.** Yes, and it costs *one* all-reduce per update: keep one gradient
-# buffer per replica (a `SyncOnRead` variable, no communication while you add to it),
-# divide every micro-batch loss by the global batch of the *whole update*, and apply once
-# per k micro-batches *inside* `strategy.run`, where the optimizer's own SUM all-reduce is
-# the single sync. `distgrad.accumulator.GradientAccumulator` does exactly that; below we
-# reproduce the question and the answer, build the accumulator, and prove that k
-# micro-batches on R replicas give the same weights as one big-batch step.
+# **Short answer.** Yes, and it costs *one* all-reduce per update. Keep the question's
+# `strategy.run(fn=train_step, ...)`, but let `train_step` add its gradients to a
+# replica-local buffer (a `SyncOnRead` variable: no communication) instead of returning
+# them; divide every micro-batch loss by the global batch of the *whole update*; and
+# apply once per k micro-batches with a second `strategy.run`, where the optimizer's own
+# SUM all-reduce is the single sync. Section 3 writes that loop; sections 4–8 prove it
+# equals one big-batch step and take it apart; `distgrad.GradientAccumulator` (section 9)
+# is its packaged form.
 
 # %%
 import distgrad
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
-distgrad.environment_report(strategy)
+assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
+
+from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+
+show_environment(distgrad.environment_report(strategy))
 
 # %%
-import inspect
+import tempfile
+import textwrap
+import types
 
 import keras
 import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
 
-from distgrad.accumulator import GradientAccumulator
-from distgrad.lab.accumulation import AccumulatedTrainer, full_batch_loss, train_accumulated
-from distgrad.lab.compare import check_close, check_not_close, update_ratio, updates, weights_of
-from distgrad.lab.data import (
-    embedding_model,
-    per_example_squared_error,
-    regression_data,
-    tiny_model,
-    token_data,
-)
-from distgrad.lab.recipes import big_batch_reference, dense_gradient_reference
+from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close, update_ratio, updates
+from distgrad.lab.compare import weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.graph import count_collectives
+from distgrad.lab.recipes import big_batch_reference
 from distgrad.pitfalls import lazy_slot_creation, outside_strategy_run
 
 # Every experiment below builds fresh tf.functions on purpose; silence the retracing notes.
 tf.get_logger().setLevel("ERROR")
-assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
-EXAMPLES = 8 * R  # the big batch: divisible by k * R for k in 1, 2, 4
+EXAMPLES = 8 * R  # the big batch of one update: divisible by k * R for k in 1, 2, 4
 x, y = regression_data(EXAMPLES)
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.1),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-}
+sgd, adam = OPTIMIZERS["sgd"], OPTIMIZERS["adam"]  # SGD(0.1), Adam(0.01)
+
+
+def full_batch_loss(weights):
+    """Mean loss of the model with `weights` on the whole big batch."""
+    model = tiny_model()
+    model.set_weights(weights)
+    return float(tf.reduce_mean(keras.losses.mean_squared_error(y, model(x))))
 
 # %% [markdown]
 # ## 1 · Reproduce the question's loop
@@ -90,13 +93,22 @@ OPTIMIZERS = {
 # the loop over two micro-batches and capture each error.
 
 # %%
-record = outside_strategy_run.reproduce(strategy)
+record = outside_strategy_run.reproduce(strategy, examples=EXAMPLES)
+
+
+def last_line(error):
+    return error.message.strip().splitlines()[-1].strip()
+
+
 print("strategy.run returned:", record.gradient_type)
-print("per_replica + per_replica         ->", record.sum_error)
-print("apply_gradients, outside scope    ->", record.apply_outside_scope_error)
-print("apply_gradients, in scope         ->", record.apply_in_scope_error)
-print("apply_gradients, traced, in scope ->",
-      record.apply_in_traced_function_error.message.strip().splitlines()[-1])
+show_table(["the question's step", "raises"], [
+    ("`per_replica + per_replica`", f"{record.sum_error.type}: {last_line(record.sum_error)}"),
+    ("`apply_gradients`, outside the scope",
+     f"{record.apply_outside_scope_error.type}: {last_line(record.apply_outside_scope_error)}"),
+    ("`apply_gradients`, under `strategy.scope()`",
+     f"{record.apply_in_scope_error.type}: {last_line(record.apply_in_scope_error)}"),
+    ("the same, in a `tf.function`", last_line(record.apply_in_traced_function_error)),
+])
 
 # %%
 assert record.gradient_type == "PerReplica"
@@ -116,7 +128,7 @@ assert record.apply_in_traced_function_error.contains("'NoneType' object has no 
 
 # %%
 legacy = outside_strategy_run.reproduce_legacy(replicas=R)
-print(legacy)
+print(textwrap.fill(f"{legacy.type}: {legacy.message.strip()}", 90, subsequent_indent="  "))
 assert legacy.type == "RuntimeError"
 assert "`apply_gradients() cannot be called in cross-replica context" in legacy.message
 
@@ -135,20 +147,23 @@ assert "`apply_gradients() cannot be called in cross-replica context" in legacy.
 # The apply then fails under `strategy.scope()` exactly like the question's. Outside the
 # scope it happens to *run* (`DistributedVariable._update` re-enters the variable's own
 # strategy via `distribute_lib.enter_or_assert_strategy`), and we can look at the
-# numbers: with the usual per-replica mean loss (`reduce_mean`, what
-# `keras.losses.MeanSquaredError()` does; the answer says nothing about scaling), the
-# sum over replicas is R times the mean gradient, and the answer's `/ k` leaves it so.
+# numbers. The answer says nothing about loss scaling; with a per-replica mean
+# (`tf.reduce_mean` of the replica's per-example losses) the sum over replicas is R times
+# the mean gradient, and the answer's `/ k` leaves it so. (A Keras 3 loss *object* is
+# scaled differently: [lesson 01, section 4](01_where_gradients_sync.ipynb).)
 
 # %%
-answer = outside_strategy_run.reproduce_posted_answer(strategy, accumulation_steps=2)
-print("experimental_run_v2              ->", answer.run_v2_error)
-print("accumulators are                 ->", answer.accumulator_type)
-print("apply under strategy.scope()     ->",
-      answer.apply_in_scope_error.message.strip().splitlines()[-1])
-print(f"accumulated / k vs true gradient: x{answer.gradient_ratio:.6f}")
-print(f"SGD update vs one big-batch step: x{answer.update_ratio_per_replica_mean:.6f} "
-      f"(per-replica mean loss), x{answer.update_ratio_global_micro_batch:.6f} "
-      "(loss / global micro batch)")
+answer = outside_strategy_run.reproduce_posted_answer(strategy, accumulation_steps=2,
+                                                      examples=EXAMPLES)
+show_table(["the posted answer", "on this TensorFlow"], [
+    ("`strategy.experimental_run_v2`", f"{answer.run_v2_error.type}: {last_line(answer.run_v2_error)}"),
+    ("its accumulators", answer.accumulator_type),
+    ("apply under `strategy.scope()`", last_line(answer.apply_in_scope_error)),
+    ("accumulated / k vs the true gradient", f"x{answer.gradient_ratio:.6f}"),
+    ("SGD update vs one big-batch step, per-replica mean loss",
+     f"x{answer.update_ratio_per_replica_mean:.6f}"),
+    ("the same, loss / global micro batch", f"x{answer.update_ratio_global_micro_batch:.6f}"),
+])
 
 # %%
 assert answer.run_v2_error.type == "AttributeError"
@@ -164,186 +179,260 @@ assert abs(answer.update_ratio_global_micro_batch - 1) < 1e-6
 # global micro batch, only outside the strategy scope, and with cross-device copies at
 # every micro-step. Let us put the state in the right place instead.
 #
-# ## 3 · Look inside: where the accumulator's state lives
+# ## 3 · The fix: replica-local buffers, applied inside `strategy.run`
 #
-# `GradientAccumulator` creates, under `strategy.scope()`, one
-# `tf.Variable(synchronization=ON_READ, aggregation=SUM)` per model variable (float32
-# whatever the variable's dtype) and an `ON_READ` / `ONLY_FIRST_REPLICA` micro-step
-# counter. MirroredStrategy turns each into a `SyncOnReadVariable`: one independent copy
-# per replica. `add` runs in replica context and only touches the local copy:
+# Three decisions, each a few lines below:
+#
+# 1. **Where the sum lives.** One buffer per model variable, created under the scope as
+#    `tf.Variable(synchronization=ON_READ, aggregation=SUM)`. MirroredStrategy turns it
+#    into a `SyncOnReadVariable`: one independent copy per replica. `assign_add` in
+#    replica context touches only the local copy — no communication; read in
+#    cross-replica context, the variable is the SUM of its copies.
+# 2. **What each micro-batch loss is divided by.** Two sums stand between a micro-batch
+#    loss and the applied gradient: the buffers sum over k micro-steps, the optimizer
+#    sums over R replicas. With B = micro batch per replica × R × k examples in the
+#    update,
+#
+#    $$\sum_{j=1}^{k}\sum_{r=1}^{R} \nabla \frac{1}{B}\sum_{i \in (j, r)} \ell_i
+#      = \nabla \frac{1}{B}\sum_{i=1}^{B} \ell_i ,$$
+#
+#    the big batch's mean gradient. So `compute_average_loss(..., global_batch_size=B)`,
+#    with B the global batch of the whole **update**.
+# 3. **Where the apply runs.** In a second `strategy.run`: each replica passes its local
+#    sums to `optimizer.apply_gradients`, whose SUM all-reduce makes them the big-batch
+#    gradient and writes one update into every mirrored copy. Then the buffers reset.
+#    Plain Python decides when to call it; nothing traced branches on the micro-step.
 
 # %%
-print(inspect.getsource(GradientAccumulator.add))
+def build_accumulating_loop(make_optimizer, divide_by):
+    """Model, optimizer, buffers and the two tf.functions of the accumulating loop."""
+    with strategy.scope():
+        model = tiny_model()
+        optimizer = make_optimizer()
+        optimizer.build(model.trainable_variables)  # optimizer state now, not in a trace
+        accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                    synchronization=tf.VariableSynchronization.ON_READ,
+                                    aggregation=tf.VariableAggregation.SUM)
+                        for v in model.trainable_variables]
+
+    def train_step(model, data):  # the question's fn, run on every replica
+        x, y = data
+        with tf.GradientTape() as tape:
+            per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=divide_by)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        for accumulator, gradient in zip(accumulators, gradients):
+            accumulator.assign_add(gradient)  # this replica's copy: no communication
+        return loss
+
+    def apply_step(model):  # every replica: its local sums; the optimizer's SUM syncs them
+        local_sums = [accumulator.read_value() for accumulator in accumulators]
+        optimizer.apply_gradients(zip(local_sums, model.trainable_variables))
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator))
+
+    @tf.function
+    def accumulate(data):
+        per_replica_losses = strategy.run(fn=train_step, args=(model, data))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    @tf.function
+    def apply():
+        strategy.run(fn=apply_step, args=(model,))
+
+    return types.SimpleNamespace(model=model, optimizer=optimizer, accumulators=accumulators,
+                                 accumulate=accumulate, apply=apply)
+
+
+def micro_batches_of(x, y, k):
+    """The k distributed micro-batches of one update (replica r gets the r-th slice)."""
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x) // k)
+    return list(strategy.experimental_distribute_dataset(dataset))
 
 # %% [markdown]
-# `AccumulatedTrainer` wires it into the OpenNMT-tf shape: an accumulate `tf.function`
-# (`strategy.run` of forward, backward, `accumulator.add`), an apply `tf.function`, and a
-# Python loop deciding when to call which. After one micro-step each replica's buffer
-# holds its own partial gradient; read in cross-replica context the buffer is their SUM:
+# The loop itself is the question's, with the sum moved inside `strategy.run`:
 
 # %%
 K = 4
-trainer = AccumulatedTrainer(strategy, OPTIMIZERS["sgd"], x, y, accumulation_steps=K)
-trainer.accumulate_step(0)
-buffer = trainer.accumulator.accumulated[0]
-copies = [v.numpy() for v in buffer.values]
-print(type(buffer).__name__, buffer.dtype.name, "| micro-steps:", trainer.accumulator.micro_steps)
-for replica, copy in enumerate(copies):
-    print(f"replica {replica}: {np.round(copy.ravel()[:4], 5)} ...")
-print(f"cross-replica read: {np.round(buffer.numpy().ravel()[:4], 5)} ...")
-assert type(buffer).__name__ == "SyncOnReadVariable" and buffer.dtype == tf.float32
-np.testing.assert_allclose(sum(copies), buffer.numpy(), rtol=1e-6, atol=1e-7)
-assert trainer.accumulator.micro_steps == 1
+micro_batches = micro_batches_of(x, y, K)
+loop = build_accumulating_loop(sgd, divide_by=EXAMPLES)  # B: the update's global batch
+for update in range(3):
+    for data in micro_batches:
+        loop.accumulate(data)
+    loop.apply()
+
+print(f"k={K}, R={R}, 3 updates: optimizer.iterations = {int(loop.optimizer.iterations.numpy())}")
+diff = check_close(weights_of(loop.model), big_batch_reference(sgd, x, y, steps=3))
+print(f"vs 3 big-batch steps on one device: max abs diff {diff.max_abs:.1e}")
+assert int(loop.optimizer.iterations.numpy()) == 3
 
 # %% [markdown]
-# After all K micro-steps the summed buffers are the mean gradient of the whole big
-# batch — because each micro-batch loss was divided by the big batch size (section 5):
+# Look at a buffer after **one** micro-step: each replica's copy holds its own partial
+# gradient, and the cross-replica read is their SUM. After all k micro-steps the summed
+# buffers are the big batch's mean gradient.
 
 # %%
-for j in range(1, K):
-    trainer.accumulate_step(j)
+probe = build_accumulating_loop(sgd, divide_by=EXAMPLES)
+probe.accumulate(micro_batches[0])
+buffer = probe.accumulators[0]
+copies = [v.numpy() for v in buffer.values]
+
+
+def first_entries(values):
+    return ", ".join(f"{v:+.5f}" for v in np.ravel(values)[:4]) + ", ..."
+
+
+show_table(["read", f"`{type(buffer).__name__}` ({buffer.dtype.name}), first entries"],
+           [(f"replica {r} (local copy)", first_entries(c)) for r, c in enumerate(copies)]
+           + [("cross-replica (SUM)", first_entries(buffer.numpy()))])
+assert type(buffer).__name__ == "SyncOnReadVariable"
+assert not np.allclose(copies[0], copies[1])  # different data, different partial gradients
+np.testing.assert_allclose(sum(copies), buffer.numpy(), rtol=1e-6, atol=1e-7)
+
+for data in micro_batches[1:]:
+    probe.accumulate(data)
 model0 = tiny_model()  # same seed: the initial weights
 with tf.GradientTape() as tape:
-    big_batch_loss = tf.reduce_mean(per_example_squared_error(tf.constant(y), model0(tf.constant(x))))
-mean_gradient = [g.numpy() for g in tape.gradient(big_batch_loss, model0.trainable_variables)]
-print("summed buffers vs big-batch mean gradient:",
-      check_close([b.numpy() for b in trainer.accumulator.accumulated], mean_gradient))
-
-# %% [markdown]
-# The apply step runs `strategy.run(accumulator.apply_gradients, args=(optimizer,))`:
-# each replica passes its *local* sums to `optimizer.apply_gradients`, whose SUM
-# all-reduce turns them into the big-batch gradient and updates every mirrored copy once.
-# Then the buffers reset. Everything is gated on a check that something was accumulated:
-
-# %%
-print(inspect.getsource(GradientAccumulator.apply_gradients))
-trainer.apply_step()
-assert trainer.accumulator.micro_steps == 0 and int(trainer.optimizer.iterations.numpy()) == 1
+    big_batch_loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model0(x)))
+mean_gradient = tape.gradient(big_batch_loss, model0.trainable_variables)
+diff = check_close([b.numpy() for b in probe.accumulators], [g.numpy() for g in mean_gradient])
+print(f"summed buffers after {K} micro-steps vs big-batch mean gradient: max abs {diff.max_abs:.1e}")
 
 # %% [markdown]
 # ## 4 · Prove it: k micro-batches on R replicas == one big-batch step
 #
-# `train_accumulated` feeds micro-batch j = `x[j*g:(j+1)*g]` (g = global micro batch);
-# the distributed dataset gives replica r the r-th contiguous slice of it, so the k·R
-# slices of one update are exactly the big batch. We compare with
+# `train` runs the loop for a number of updates and keeps the weights after each. The
+# distributed dataset gives replica r the r-th contiguous slice of every micro-batch, so
+# the k·R slices of one update are exactly the big batch. We compare with
 # `big_batch_reference` (one device, no strategy, plain `apply_gradients` on the full
-# batch) after 1 and after 3 updates, at float32 tolerances (rtol = atol = 1e-6).
+# batch) after 1 and after 3 updates, at float32 tolerances (rtol = atol = 1e-6), for a
+# plain, a stateful and an adaptive optimizer.
 
 # %%
-references = {(name, steps): big_batch_reference(make, x, y, steps=steps)
-              for name, make in OPTIMIZERS.items() for steps in (1, 3)}
-for name, make in OPTIMIZERS.items():
-    for k in (1, 2, 4):
-        run = train_accumulated(strategy, make, x, y, k, updates=3)
-        after_1 = check_close(run.weights_per_update[0], references[name, 1])
-        after_3 = check_close(run.final, references[name, 3])
-        assert run.iterations == 3 and run.micro_steps_left == 0 and run.copies_agree
-        print(f"{name:8s} k={k} R={R}: after 1 update max|diff| {after_1.max_abs:.1e}, "
-              f"after 3 {after_3.max_abs:.1e}, optimizer.iterations = {run.iterations}")
+def train(make_optimizer, k, updates, divide_by=EXAMPLES, apply_every_micro_step=False):
+    """`updates` passes over the big batch; weights after each, and the reported losses."""
+    loop = build_accumulating_loop(make_optimizer, divide_by)
+    loop.weights, loop.reported = [], []
+    batches = micro_batches_of(x, y, k)
+    for _ in range(updates):
+        reported = 0.0
+        for data in batches:
+            reported += float(loop.accumulate(data))
+            if apply_every_micro_step:
+                loop.apply()
+        if not apply_every_micro_step:
+            loop.apply()
+        loop.weights.append(weights_of(loop.model))
+        loop.reported.append(reported)
+    return loop
 
-# %% [markdown]
-# ### Embeddings: sparse gradients
-#
-# An `Embedding` layer's gradient is a `tf.IndexedSlices`. `SyncOnReadVariable` has no
-# `scatter_add` (`values.py`: "Variables with `synchronization=ON_READ` doesn't support
-# `scatter_add`"), so `add` sums the slices into the dense buffer with
-# `unsorted_segment_sum` (repeated rows add up). The optimizer therefore receives a
-# *dense* gradient. SGD and momentum do the same arithmetic on sparse and dense
-# gradients, so we compare with the ordinary (sparse) big-batch reference. Keras 3's Adam
-# does not (its sparse path differs when rows repeat, lesson 07), so for Adam we compare
-# like with like: a big-batch reference whose gradients are densified first.
 
-# %%
-tokens, targets = token_data(EXAMPLES)
+rows = []
 for name in ("sgd", "momentum", "adam"):
-    run = train_accumulated(strategy, OPTIMIZERS[name], tokens, targets, 4, updates=3,
-                            model_factory=embedding_model)
-    make_reference = dense_gradient_reference if name == "adam" else big_batch_reference
-    diff = check_close(run.final, make_reference(OPTIMIZERS[name], tokens, targets, steps=3,
-                                                 model_factory=embedding_model))
-    print(f"{name:8s} embedding, k=4, vs {make_reference.__name__}: {diff}")
-sparse_vs_dense = check_not_close(
-    big_batch_reference(OPTIMIZERS["adam"], tokens, targets, model_factory=embedding_model),
-    dense_gradient_reference(OPTIMIZERS["adam"], tokens, targets, model_factory=embedding_model))
-print("Adam, one step, sparse vs dense gradient:", sparse_vs_dense)
+    references = [big_batch_reference(OPTIMIZERS[name], x, y, steps=n) for n in (1, 3)]
+    for k in (1, 2, 4):
+        run = train(OPTIMIZERS[name], k, updates=3)
+        after_1, after_3 = (check_close(run.weights[n], ref) for n, ref in zip((0, 2), references))
+        assert int(run.optimizer.iterations.numpy()) == 3
+        rows.append((name, k, f"{after_1.max_abs:.1e}", f"{after_3.max_abs:.1e}"))
+show_table(["optimizer", "k", "max abs diff after 1 update", "after 3"], rows)
 
 # %% [markdown]
-# ## 5 · Why each micro-batch loss is divided by the global batch of the update
+# ## 5 · The wrong divisors, measured
 #
-# Two sums stand between a micro-batch loss and the applied gradient: the accumulator
-# sums over k micro-steps, the optimizer sums over R replicas. With B = micro batch per
-# replica × R × k examples in the update,
-#
-# $$\sum_{j=1}^{k}\sum_{r=1}^{R} \nabla \frac{1}{B}\sum_{i \in (j, r)} \ell_i
-#   = \nabla \frac{1}{B}\sum_{i=1}^{B} \ell_i ,$$
-#
-# the big batch's mean gradient. Divide by the global *micro* batch instead (right for
-# plain small-batch training) and the update is k times too large; take a per-replica
-# mean and it is k·R times too large. With SGD the factor shows up exactly:
+# Divide by the global *micro* batch instead (right for plain small-batch training) and
+# the update is k times too large; divide by the replica's own micro batch (a
+# per-replica mean) and it is k·R times too large. With SGD the factor shows up exactly.
+# A side effect of the right divisor: the reported losses of one update add up to the
+# full-batch loss.
 
 # %%
 k = 2
-reference_update = updates(references["sgd", 1], tiny_model().get_weights())
-for scaling, expected in (("update", 1), ("micro_batch", k), ("per_replica_mean", k * R)):
-    run = train_accumulated(strategy, OPTIMIZERS["sgd"], x, y, k, loss_scaling=scaling)
-    ratio = update_ratio(updates(run.final, run.initial), reference_update)
-    print(f"loss / {scaling:17s} -> SGD update x{ratio:.6f} (expected x{expected})")
+reference_update = updates(big_batch_reference(sgd, x, y), tiny_model().get_weights())
+rows = []
+for divisor, expected in ((EXAMPLES, 1), (EXAMPLES // k, k), (EXAMPLES // (k * R), k * R)):
+    run = train(sgd, k, updates=1, divide_by=divisor)
+    ratio = update_ratio(updates(run.weights[0], tiny_model().get_weights()), reference_update)
+    rows.append((divisor, f"x{ratio:.6f}", f"x{expected}"))
     assert abs(ratio - expected) < 1e-6 * expected
+show_table([f"loss divided by (k={k}, R={R})", "SGD update vs big batch", "expected"], rows)
+
+run = train(sgd, 4, updates=2)
+full_batch = [full_batch_loss(w) for w in (tiny_model().get_weights(), run.weights[0])]
+print("reported per update:", np.round(run.reported, 6).tolist())
+print("full-batch loss    :", np.round(full_batch, 6).tolist())
+np.testing.assert_allclose(run.reported, full_batch, rtol=1e-6)
 
 # %% [markdown]
-# Dividing the accumulated sum by k at the end (the posted answer) is equivalent *if*
-# each micro-batch loss was already a global-micro-batch average; scaling the loss by
-# the update's batch keeps the buffers on the gradient's own scale and needs no extra
-# pass. A side effect: the reported losses of one update add up to the full-batch loss.
-
-# %%
-run = train_accumulated(strategy, OPTIMIZERS["sgd"], x, y, 4, updates=2)
-print("reported per update:", np.round(run.reported_losses, 6))
-print("full-batch loss    :", np.round(run.losses[:-1], 6))
-np.testing.assert_allclose(run.reported_losses, run.losses[:-1], rtol=1e-6)
-
-# %% [markdown]
-# ## 6 · Count the all-reduces: one per update
+# The posted answer's "divide the sum by k at the end" is equivalent *if* each
+# micro-batch loss was already a global-micro-batch average; dividing the loss by the
+# update's batch keeps the buffers on the gradient's own scale and needs no extra pass.
 #
-# `count_collectives` (lesson 01) counts the all-reduce ops in each traced function. The
-# accumulate function has none; the apply function has one (the optimizer packs all
-# gradients into one reduction). Applying after every micro-step instead — plain
-# small-batch training — pays k of them per k micro-batches.
+# ## 6 · One all-reduce per update: the timeline
+#
+# `count_collectives` counts the all-reduce ops in each traced function. `accumulate`
+# has none; `apply` has one (the optimizer packs all gradients into one reduction).
+# Applying after every micro-step instead — plain small-batch training — pays one per
+# micro-batch, and makes k optimizer updates where accumulation makes one.
 
 # %%
-accumulated = train_accumulated(strategy, OPTIMIZERS["adam"], x, y, 4)
-every_step = train_accumulated(strategy, OPTIMIZERS["adam"], x, y, 4, apply_every_micro_step=True)
-print("accumulate fn:", accumulated.accumulate.op_types, "| apply fn:", accumulated.apply.op_types)
-print("all-reduces per 4 micro-batches: accumulated", accumulated.all_reduces_per_update,
-      "| apply every micro-step", every_step.all_reduces_per_update)
-assert accumulated.accumulate.all_reduces == 0 and accumulated.apply.all_reduces == 1
-assert accumulated.all_reduces_per_update == 1 and every_step.all_reduces_per_update == 4
+UPDATES = 2
+schemes = {"accumulate k, apply once": False, "apply every micro-step": True}
+timelines = {}
+for label, every in schemes.items():
+    run = train(adam, K, UPDATES, divide_by=EXAMPLES // K if every else EXAMPLES,
+                apply_every_micro_step=every)
+    per_accumulate = count_collectives(run.accumulate, micro_batches[0], replicas=R).all_reduces
+    per_apply = count_collectives(run.apply, replicas=R).all_reduces
+    applies = K * UPDATES if every else UPDATES
+    timelines[label] = (per_accumulate, per_apply, applies, int(run.optimizer.iterations.numpy()))
+    assert (per_accumulate, per_apply) == (0, 1)
+    assert int(run.optimizer.iterations.numpy()) == applies
+show_table(["scheme", "all-reduces in `accumulate`", "in `apply`",
+            f"all-reduces per {K * UPDATES} micro-batches", "optimizer updates"],
+           [(label, a, b, K * UPDATES * a + n * b, n) for label, (a, b, n, _) in timelines.items()])
 
-fig, ax = plt.subplots(figsize=(5, 2.4))
-ax.barh(["accumulate, apply once", "apply every micro-step"],
-        [accumulated.all_reduces_per_update, every_step.all_reduces_per_update])
-ax.set_xlabel("all-reduces per 4 micro-batches")
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(8, 3.4), sharex=True)
+for ax, (label, every) in zip(axes, schemes.items()):
+    per_accumulate, per_apply, applies, _ = timelines[label]
+    micro = np.arange(1, K * UPDATES + 1)
+    apply_at = micro + 0.5 if every else np.arange(1, UPDATES + 1) * K + 0.5
+    ax.broken_barh([(m - 0.4, 0.8) for m in micro], (1.6, 0.8), color="#9ecae1")
+    reduce_at = np.concatenate([np.repeat(micro, per_accumulate), np.repeat(apply_at, per_apply)])
+    ax.scatter(reduce_at, np.full(len(reduce_at), 1.0), marker="v", s=60, color="#d62728")
+    for n, at in enumerate(apply_at, start=1):
+        ax.text(at, 0.3, str(n), ha="center", va="center", fontsize=8,
+                bbox=dict(boxstyle="circle,pad=0.2", fc="white", ec="black"))
+    ax.set_yticks([2.0, 1.0, 0.3], ["micro-steps\n(all replicas)", "all-reduces", "updates"])
+    ax.set_ylim(-0.1, 2.6)
+    ax.set_title(f"{label}: {len(reduce_at)} all-reduces, {applies} updates", fontsize=9)
+axes[-1].set_xlabel(f"micro-batch (k = {K} per update, each split over R = {R} replicas)")
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
 # ## 7 · Where optimizer state is created matters
 #
-# Build the optimizer *lazily* — let `apply_gradients` create Adam's slots the first time
-# the apply `tf.function` is traced — and on TF 2.21 / Keras 3.15 with 2+ replicas the
-# first call fails. Plain SGD (no slots) and a single replica run.
+# `build_accumulating_loop` calls `optimizer.build(model.trainable_variables)` under the
+# scope. Leave it out — let `apply_gradients` create Adam's slots the first time the
+# apply `tf.function` is traced — and on this TensorFlow/Keras with 2+ replicas the first
+# call fails. Plain SGD (no slots) and a single replica run.
 
 # %%
-lazy = {name: lazy_slot_creation.reproduce(strategy, name) for name in ("sgd", "momentum", "adam")}
-for name, result in lazy.items():
-    if result.lazy_error is None:
-        print(f"{name:8s} lazy slots -> ran")
-        continue
-    lines = result.lazy_error.message.splitlines()
-    feed = next(line.strip() for line in lines if "You must feed" in line)
-    print(f"{name:8s} lazy slots -> {result.lazy_error.type}: {feed}\n{'':22s}{lines[-1].strip()}")
-print("traced apply's int32 inputs fed at call time:", lazy["adam"].call_time_int32_inputs)
-print("built first (the fix) vs big batch:", lazy["adam"].built_first_vs_big_batch)
+lazy = {name: lazy_slot_creation.reproduce(strategy, name, examples=EXAMPLES)
+        for name in ("sgd", "momentum", "adam")}
+
+
+def feed_line(error):
+    return next(line.strip() for line in error.message.splitlines() if "You must feed" in line)
+
+
+show_table(["optimizer", "slots created lazily, inside the traced apply", "built first (the fix)"],
+           [(name, "ran" if r.lazy_error is None else f"{r.lazy_error.type}: {feed_line(r.lazy_error)}",
+             f"max abs diff vs big batch {r.built_first_vs_big_batch.max_abs:.1e}")
+            for name, r in lazy.items()])
+print("int32 inputs the traced apply is fed at call time:", lazy["adam"].call_time_int32_inputs)
 
 # %%
 assert lazy["sgd"].lazy_error is None
@@ -353,7 +442,7 @@ for name in ("momentum", "adam"):
     assert lazy[name].lazy_error.contains("fn_with_cond")
     assert lazy[name].built_first_vs_big_batch.within()
 assert lazy["adam"].call_time_int32_inputs == R
-one_replica = lazy_slot_creation.reproduce(distgrad.make_strategy(1), "adam")
+one_replica = lazy_slot_creation.reproduce(distgrad.make_strategy(1), "adam", examples=EXAMPLES)
 print("one replica, lazy Adam slots ->", one_replica.lazy_error or "ran")
 assert one_replica.lazy_error is None
 
@@ -373,41 +462,100 @@ assert one_replica.lazy_error is None
 #    one per replica: the R printed above). The `cond` wrapper does not propagate them —
 #    the source says so in a comment — so nobody feeds them.
 #
-# The fix: `optimizer.build(model.trainable_variables)` under `strategy.scope()` before
-# tracing, so the apply function creates no variables. `make_apply_step` does it for
-# you. Upstream this is keras-team/keras#23085, fixed by keras-team/keras#23087
-# (optimizer variables created under `tf.init_scope()`), which Keras 3.15.1 does not
-# contain yet; a test fails when an upgrade changes this, so the lesson gets updated.
+# Upstream this is keras-team/keras#23085, fixed by keras-team/keras#23087 (optimizer
+# variables created under `tf.init_scope()`), which the installed Keras does not contain
+# yet; `tests/test_accumulator.py` fails when an upgrade changes this.
 #
-# ## 8 · All of it is checkpointable — also in the middle of an update
+# ## 8 · The buffers are checkpointable — also in the middle of an update
 #
-# `tf.train.Checkpoint(model=..., optimizer=..., accumulator=...)` saves the buffers (as
-# their SUM over replicas: restored as SUM / R on each replica, which leaves the next
-# update's sum unchanged) and the micro-step counter. Save after 2 of 4 micro-steps,
-# restore into a fresh trainer, finish the update in both:
+# `tf.train.Checkpoint` saves a `SyncOnRead` SUM variable as its cross-replica value,
+# the SUM, and restores SUM / R into every replica's copy
+# (`tensorflow/python/distribute/values_util.py`, `get_on_read_restore_ops`), which
+# leaves the next update's sum unchanged. Save after 2 of 4 micro-steps of the second
+# update, restore into a fresh loop, finish the update in both:
 
 # %%
-import tempfile
+def checkpoint_of(loop):
+    return tf.train.Checkpoint(model=loop.model, optimizer=loop.optimizer,
+                               accumulators=loop.accumulators)
 
-first = AccumulatedTrainer(strategy, OPTIMIZERS["adam"], x, y, 4)
-first.update()
-first.accumulate_step(0)
-first.accumulate_step(1)
-path = first.checkpoint().save(tempfile.mkdtemp() + "/mid-update")
-second = AccumulatedTrainer(strategy, OPTIMIZERS["adam"], x, y, 4)
-second.checkpoint().restore(path).assert_consumed()
-print("restored micro-steps:", second.accumulator.micro_steps,
-      "| optimizer.iterations:", int(second.optimizer.iterations.numpy()))
-for t in (first, second):
-    t.accumulate_step(2)
-    t.accumulate_step(3)
-    t.apply_step()
-print("resumed vs uninterrupted:", check_close(weights_of(second.model), weights_of(first.model)))
-print("resumed vs 2 big-batch steps:",
-      check_close(weights_of(second.model), big_batch_reference(OPTIMIZERS["adam"], x, y, steps=2)))
+
+first = build_accumulating_loop(adam, EXAMPLES)
+for data in micro_batches:
+    first.accumulate(data)
+first.apply()
+for data in micro_batches[:2]:
+    first.accumulate(data)
+path = checkpoint_of(first).save(tempfile.mkdtemp() + "/mid-update")
+second = build_accumulating_loop(adam, EXAMPLES)
+checkpoint_of(second).restore(path).assert_consumed()
+restored_iterations = int(second.optimizer.iterations.numpy())
+assert restored_iterations == 1
+saved_sum = first.accumulators[0].numpy()
+restored_copies = [v.numpy() for v in second.accumulators[0].values]
+for copy in restored_copies:
+    np.testing.assert_allclose(copy, saved_sum / R, rtol=1e-6)  # SUM / R on every replica
+for resumed_loop in (first, second):  # micro-steps 3 and 4: the position is the caller's
+    for data in micro_batches[2:]:
+        resumed_loop.accumulate(data)
+    resumed_loop.apply()
+resumed = check_close(weights_of(second.model), weights_of(first.model))
+exact = check_close(weights_of(second.model), big_batch_reference(adam, x, y, steps=2))
+print(f"restored: optimizer.iterations = {restored_iterations}, each replica's buffer = "
+      "saved SUM / R")
+print(f"resumed vs uninterrupted: {resumed.max_abs:.1e}; vs 2 big-batch steps: {exact.max_abs:.1e}")
 
 # %% [markdown]
-# ## 9 · The picture: big batch vs accumulated vs naive small batch
+# `aggregation=SUM` is what makes this possible: with `aggregation=NONE` (OpenNMT-tf's
+# accumulator) the buffers can be neither read in cross-replica context nor saved on 2+
+# replicas (`tests/test_accumulator.py` pins both).
+#
+# ## 9 · The packaged form: `GradientAccumulator`
+#
+# `distgrad.GradientAccumulator` is the buffers of section 3 with what a real model needs
+# besides: a micro-step counter (`micro_steps`, checkpointed with the buffers, so the
+# loop position is saved too), float32 buffers for float16/bfloat16 weights,
+# `None` gradients skipped, `tf.IndexedSlices` summed into the dense buffer
+# (for embeddings and Adam see [lesson 07, section 3](07_beyond_the_basics.ipynb)), and
+# errors for the misuses of sections 1 and 7. Its `add` and `apply_gradients` are the
+# two halves of section 3:
+
+# %%
+show_code(distgrad.GradientAccumulator.add)
+
+# %% [markdown]
+# The question's loop with it — `make_apply_step` builds the optimizer under the scope
+# and wraps `strategy.run(accumulator.apply_gradients, ...)` in a `tf.function`:
+
+# %%
+with strategy.scope():
+    model, optimizer = tiny_model(), sgd()
+    accumulator = distgrad.GradientAccumulator(model.trainable_variables)
+
+
+def train_step(model, data):
+    x, y = data
+    with tf.GradientTape() as tape:
+        per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
+        loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=EXAMPLES)
+    accumulator.add(tape.gradient(loss, model.trainable_variables))
+    return loss
+
+
+accumulate = tf.function(lambda data: strategy.run(fn=train_step, args=(model, data)))
+apply_step = accumulator.make_apply_step(optimizer)
+for update in range(3):
+    for data in micro_batches:
+        accumulate(data)
+    assert accumulator.micro_steps == K
+    apply_step()
+assert accumulator.micro_steps == 0 and int(optimizer.iterations.numpy()) == 3
+same = check_close(weights_of(model), weights_of(loop.model))  # section 3's loop
+print(f"GradientAccumulator vs section 3's loop, 3 updates: max abs diff {same.max_abs:.1e}")
+assert count_collectives(apply_step.function, replicas=R).all_reduces == 1
+
+# %% [markdown]
+# ## 10 · The picture: big batch vs accumulated vs naive small batch
 #
 # Full-batch loss after each pass over the data: one device on the big batch, k = 4
 # accumulated micro-batches on R replicas, and the naive alternative — an optimizer step
@@ -419,32 +567,33 @@ print("resumed vs 2 big-batch steps:",
 # when that batch no longer fits in memory — and only the accumulated run reproduces it.
 
 # %%
-UPDATES = 12
-sgd = lambda: keras.optimizers.SGD(0.05)
-accumulated = train_accumulated(strategy, sgd, x, y, 4, updates=UPDATES)
-naive = train_accumulated(strategy, sgd, x, y, 4, updates=UPDATES, apply_every_micro_step=True)
-big_batch_losses = [accumulated.losses[0]]
-for n in range(1, UPDATES + 1):
-    weights = big_batch_reference(sgd, x, y, steps=n)
-    check_close(accumulated.weights_per_update[n - 1], weights, what=f"update {n}")
-    model_n = tiny_model()
-    model_n.set_weights(weights)
-    big_batch_losses.append(full_batch_loss(model_n, x, y))
-check_not_close(naive.final, accumulated.final)
+PASSES = 10
+slow_sgd = lambda: keras.optimizers.SGD(0.05)  # noqa: E731
+accumulated = train(slow_sgd, 4, PASSES)
+naive = train(slow_sgd, 4, PASSES, divide_by=EXAMPLES // 4, apply_every_micro_step=True)
+start = tiny_model().get_weights()
+big_batch = [start] + [big_batch_reference(slow_sgd, x, y, steps=n) for n in range(1, PASSES + 1)]
+for n in range(PASSES):
+    check_close(accumulated.weights[n], big_batch[n + 1], what=f"update {n + 1}")
+check_not_close(naive.weights[-1], accumulated.weights[-1])
 
-epochs = np.arange(UPDATES + 1)
+curves = {"big batch, 1 device": [full_batch_loss(w) for w in big_batch],
+          f"accumulated, k=4, R={R}": [full_batch_loss(w) for w in [start] + accumulated.weights],
+          "naive: step every micro-batch": [full_batch_loss(w) for w in [start] + naive.weights]}
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot(epochs, big_batch_losses, "o-", lw=4, alpha=0.4, label="big batch, 1 device")
-ax.plot(epochs, accumulated.losses, "k.--", label=f"accumulated, k=4, R={R}")
-ax.plot(epochs, naive.losses, "s-", ms=3, label="naive: step every micro-batch")
+for (label, losses), style in zip(curves.items(), [dict(lw=4, alpha=0.4, marker="o"),
+                                                   dict(color="k", ls="--", marker="."),
+                                                   dict(marker="s", ms=3)]):
+    ax.plot(np.arange(PASSES + 1), losses, label=label, **style)
 ax.set_xlabel("passes over the big batch")
 ax.set_ylabel("full-batch loss")
 ax.legend()
 plt.tight_layout()
 plt.show()
-print(f"after {UPDATES} passes: big batch {big_batch_losses[-1]:.5f}, accumulated "
-      f"{accumulated.losses[-1]:.5f}, naive {naive.losses[-1]:.5f} "
-      f"({naive.iterations} optimizer steps vs {accumulated.iterations})")
+show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
+           [(label, f"{losses[-1]:.5f}", n) for (label, losses), n in
+            zip(curves.items(), (PASSES, int(accumulated.optimizer.iterations.numpy()),
+                                 int(naive.optimizer.iterations.numpy())))])
 
 # %% [markdown]
 # ## Takeaways
@@ -452,17 +601,39 @@ print(f"after {UPDATES} passes: big batch {big_batch_losses[-1]:.5f}, accumulate
 # * `strategy.run` returns `PerReplica` values in cross-replica context; you cannot add
 #   them up in Python or hand them to `apply_gradients`. Accumulate *inside*
 #   `strategy.run`, into replica-local `SyncOnRead` variables: zero communication.
-# * Apply once per k micro-batches inside `strategy.run`; the optimizer's SUM
+# * Apply once per k micro-batches inside a second `strategy.run`; the optimizer's SUM
 #   all-reduce is the single sync of the update (1 instead of k).
 # * Divide each micro-batch loss by the global batch of the whole update
 #   (micro batch × R × k). Per-replica means make the update k·R times too large.
-# * Build the optimizer under the scope before the first traced apply (Keras 3.15 /
-#   TF 2.21 fail otherwise with stateful optimizers on 2+ replicas).
+# * Build the optimizer under the scope before the first traced apply (stateful
+#   optimizers fail otherwise on 2+ replicas, keras-team/keras#23085).
 # * Use `aggregation=SUM` for the buffers: they can then be read across replicas and
-#   checkpointed mid-update (`NONE`, as in OpenNMT-tf's accumulator, can be neither on
-#   2+ replicas — see `tests/test_accumulator.py`).
+#   checkpointed mid-update.
 # * `experimental_run_v2` is gone; it is `strategy.run` (tensorflow/tensorflow#37551).
 #
+# ## Exercises
+#
+# 1. Predict the SGD update of one accumulated update when each micro-batch loss is
+#    divided by the global *micro* batch, `EXAMPLES // K`, then run the first cell below.
+# 2. In `build_accumulating_loop`, make the buffers `synchronization=ON_WRITE` (keep
+#    `aggregation=SUM`), rerun that cell and the second cell below. How many all-reduces
+#    does `accumulate` pay now, and what happens to the update (hint: what does
+#    `read_value()` return in replica context for a mirrored variable)?
+# 3. Remove `optimizer.build(...)` from `build_accumulating_loop`, rerun it, and run
+#    `train(adam, 2, 1)`. Which error do you get, and which section explains it?
+
+# %%
+EXERCISE_DIVIDE_BY = EXAMPLES // K
+exercise = train(sgd, K, updates=1, divide_by=EXERCISE_DIVIDE_BY)
+ratio = update_ratio(updates(exercise.weights[0], tiny_model().get_weights()), reference_update)
+print(f"loss / {EXERCISE_DIVIDE_BY}: SGD update x{ratio:.4f} of one big-batch step")
+
+# %%
+exercise_loop = build_accumulating_loop(sgd, EXAMPLES)
+print("all-reduces in accumulate:",
+      count_collectives(exercise_loop.accumulate, micro_batches[0], replicas=R).all_reduces)
+
+# %% [markdown]
 # ## Further reading
 #
 # * keras-team/keras#23085 (stateful optimizers fail to trace under tf.distribute) and
@@ -473,4 +644,3 @@ print(f"after {UPDATES} passes: big batch {big_batch_losses[-1]:.5f}, accumulate
 # * `tf.VariableSynchronization` / `tf.VariableAggregation` API docs; installed source
 #   `tensorflow/python/distribute/values.py` (`SyncOnReadVariable`) and
 #   `values_util.py` (`get_on_read_restore_ops`).
-# * Lesson 05 does the same inside `Model.train_step`, for `fit`.

@@ -24,37 +24,46 @@
 # Their workaround drops the `tf.cond`: always call the original with
 # `accumulated * mask` (mask 1 on every n-th step, else 0). It runs. Is it accumulation?
 #
-# **Short answer.** `apply_gradients` contains sync points (the gradient all-reduce and
-# the mirrored-variable update, both `merge_call`s under `MirroredStrategy`), and
-# `MirroredStrategy` cannot run a `merge_call` inside a `tf.cond` traced in replica
-# context. Keras 3's own `gradient_accumulation_steps` has the same shape and fails the
-# same way in `model.fit` (keras-team/keras#20582). The mask trick is not accumulation:
+# **Short answer.** As posted, the patch fails in Keras 3 before any distribution question
+# arises: it passes `args, kwargs` to the original as two positional arguments (a
+# `TypeError`), and it reads the `grads_and_vars` zip twice, so it accumulates nothing.
+# With those two Python bugs fixed it raises the question's `RuntimeError` under
+# `MirroredStrategy`: `apply_gradients` contains sync points (`merge_call`s), and
+# `MirroredStrategy` cannot run a `merge_call` inside a `tf.cond` traced in replica context.
+# Keras 3's own `gradient_accumulation_steps` has the same shape and fails the same way in
+# `model.fit` (keras-team/keras#20582). The minimal fix keeps the question's `tf.cond` and
+# takes it in **cross-replica** context — `merge_call`, cond, `call_for_each_replica` — the
+# shape Keras' `LossScaleOptimizer` uses; `distgrad.optimizer.AccumulatingOptimizer` is
+# that fix packaged as an optimizer for `model.fit`. The mask trick is not accumulation:
 # the optimizer still updates on every micro-step (with zero gradients), which is harmless
-# only for plain SGD. The fix decides in **cross-replica** context — the shape Keras'
-# `LossScaleOptimizer` uses — and `distgrad.optimizer.AccumulatingOptimizer` packages it
-# as a drop-in optimizer for `model.fit`.
+# only for plain SGD.
 
 # %%
 import distgrad
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
-distgrad.environment_report(strategy)
+
+from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+
+show_environment(distgrad.environment_report(strategy))
 
 # %%
+import importlib.util
 import inspect
-import os
-import tempfile
+import pathlib
 
 import keras
 import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
+from IPython.display import Code, display
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
-from tensorflow.python.distribute import mirrored_run, mirrored_strategy
+from tensorflow.python.distribute import mirrored_run, mirrored_strategy, values
 
-from distgrad.lab.compare import check_close, weight_diff, weights_of
-from distgrad.lab.data import regression_data
+from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close, weight_diff
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.graph import fit_step_placement
 from distgrad.lab.recipes import custom_loop_run, fit_run
 from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.pitfalls import cond_merge_call, mask_trick
@@ -66,42 +75,226 @@ print(f"k = {STEPS} micro-batches of B = {MICRO_BATCH} per update, n = {UPDATES}
 
 
 def show_source(function, *markers, context=2):
-    """Print the lines of `function`'s source around each marker; assert they exist."""
+    """Display the lines of `function`'s source around each marker; assert they exist."""
     lines = inspect.getsource(function).splitlines()
+    excerpt = []
     for marker in markers:
         hits = [i for i, line in enumerate(lines) if marker in line]
         assert hits, f"{marker!r} not in {function.__qualname__}: the source changed"
         i = hits[0]
-        print("\n".join(lines[max(0, i - context): i + context + 1]))
-        print("    ...")
+        excerpt += lines[max(0, i - context): i + context + 1] + ["    ..."]
+    display(Code("\n".join(excerpt), language="python"))
+
+
+def error_line(error, width=96):
+    """The last line of a captured error's message, cut to `width` characters."""
+    line = error.message.strip().splitlines()[-1].strip()
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 # %% [markdown]
-# ## 1 · Reproduce: `apply_gradients` inside `tf.cond`
+# ## 1 · The question's code, and what it does
 #
-# `SeedCondPatch` is the question's `_GradientAccumulationPatch` with `tf.cond`, kept as
-# written. `reproduce` installs it on a Keras `SGD` and runs a `tf.function` custom loop:
-# one `strategy.run(replica_step)` per micro-batch.
+# The question's patch with `tf.cond` ("the happy path"), exactly as posted:
 
 # %%
-record = cond_merge_call.reproduce(strategy)
-print(record.error.type, "-", record.error.message.strip().splitlines()[-1][:400], "...")
+def get_patched_optimizer(optimizer, n, trainable_variables):
+    """Patch optimizer for gradient accumulation.
+
+    :param optimizer:
+        The optimizer to patch.
+    :param n:
+        The number of accumulation steps before applying gradients.
+    :param trainable_variables:
+        Trainable parameters of the model
+    :return:
+        A patched patched optimizer for gradient accumulation.
+    """
+    accumulator = _GradientAccumulationPatch(
+        n=n,
+        orig_apply_gradients=optimizer.apply_gradients,
+        trainable_variables=trainable_variables
+    )
+
+    # Replace the original function
+    optimizer.apply_gradients = accumulator.apply_gradients
+
+    return optimizer
+
+
+class _GradientAccumulationPatch:
+
+    def __init__(
+        self,
+        n: int,
+        orig_apply_gradients,
+        trainable_variables
+    ):
+        self.n = tf.constant(n, dtype=tf.int64)
+        policy = tf.keras.mixed_precision.global_policy()
+        self.variable_dtype = policy.variable_dtype
+        self.accu_gradients = [
+            tf.Variable(
+                tf.zeros(g.shape, dtype=g.dtype),
+            ) for g in trainable_variables
+        ]
+
+        self._current_step = tf.Variable(0, dtype=tf.int64)
+        self._orig_apply_gradients = orig_apply_gradients
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+
+        trainable_variables = [var for (_, var) in grads_and_vars]
+        gradients = [grad for (grad, _) in grads_and_vars]
+
+        # Always accumulate gradients
+        for i, grad in enumerate(gradients):
+            self.accu_gradients[i].assign_add(grad)
+
+        tf.cond(
+            self._can_apply_on_next_step(),
+            true_fn=lambda: self.apply_accu_gradients(trainable_variables, args, kwargs),
+            false_fn=lambda: None
+        )
+
+    def apply_accu_gradients(self, trainable_variables, *args, **kwargs):
+
+        # Call the original apply_gradients() function
+        self._orig_apply_gradients(zip(self.accu_gradients, trainable_variables), *args, **kwargs)
+
+        # Reset all accumulated gradients to zero
+        for i in range(len(self.accu_gradients)):
+            self.accu_gradients[i].assign(tf.zeros_like(trainable_variables[i]))
+
+    def _can_apply_on_next_step(self):
+        """
+        :return: True if gradients should be applied; False otherwise.
+        """
+        # Increment (always do this first)
+        self._current_step.assign_add(1)
+        count_mod_steps = tf.math.mod(self._current_step, self.n)
+        return tf.equal(count_mod_steps, 0)
+
+
+# %% [markdown]
+# `get_patched_optimizer` swaps the bound method on the optimizer instance.
+# `cond_merge_call.reproduce(strategy, patch_class)` installs a patch class the same way
+# (after the model and optimizer are built, under the strategy scope) and trains a tiny
+# model with `SGD(0.1)` in a `tf.function` custom loop: one `strategy.run(replica_step)`
+# per micro-batch, `apply_gradients` inside it (lesson 01's replica step). `None` means
+# no strategy.
+
+# %%
+sgd = keras.optimizers.SGD(0.1)
+assert get_patched_optimizer(sgd, 2, tiny_model().trainable_variables) is sgd
+assert type(sgd.apply_gradients.__self__) is _GradientAccumulationPatch
+
+posted = {"no strategy": cond_merge_call.reproduce(None, _GradientAccumulationPatch),
+          f"MirroredStrategy, {R} replicas": cond_merge_call.reproduce(
+              strategy, _GradientAccumulationPatch)}
+show_table(["the posted patch", "error"],
+           [(name, f"`{r.error.type}`: {error_line(r.error)}") for name, r in posted.items()])
+for r in posted.values():
+    assert r.error.type == "TypeError"
+    assert r.error.contains("apply_gradients() takes 2 positional arguments but 4 were given")
+
+# %% [markdown]
+# **Bug 1: `args, kwargs`.** `true_fn` calls `apply_accu_gradients(trainable_variables,
+# args, kwargs)`: the tuple and the dict become two more positional arguments, which
+# `apply_accu_gradients(..., *args, **kwargs)` hands on to the original. Keras 3's
+# `apply_gradients(self, grads_and_vars)` takes none. tf-keras' `OptimizerV2`, the
+# question's optimizer, has two optional parameters there, so the tuple and the dict land
+# in `name` and `experimental_aggregate_gradients` without an error:
+
+# %%
+assert list(inspect.signature(keras.optimizers.SGD.apply_gradients).parameters) == [
+    "self", "grads_and_vars"]
+optimizer_v2 = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
+                            "src/optimizers/legacy/optimizer_v2.py").read_text()
+assert "self, grads_and_vars, name=None, experimental_aggregate_gradients=True" in optimizer_v2
+
+
+# %% [markdown]
+# Fix 1, and nothing else: unpack them.
+
+# %%
+class StarredPatch(_GradientAccumulationPatch):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+
+        trainable_variables = [var for (_, var) in grads_and_vars]
+        gradients = [grad for (grad, _) in grads_and_vars]
+
+        for i, grad in enumerate(gradients):
+            self.accu_gradients[i].assign_add(grad)
+
+        tf.cond(
+            self._can_apply_on_next_step(),
+            # fix 1
+            true_fn=lambda: self.apply_accu_gradients(trainable_variables, *args, **kwargs),
+            false_fn=lambda: None
+        )
+
+
+starred = cond_merge_call.reproduce(None, StarredPatch, n=2, micro_steps=4)
+print(f"no strategy: error {starred.error}, updates {starred.updates} "
+      f"after {starred.micro_steps} micro-steps, max |Δw| {starred.weight_change}")
+assert starred.error is None and starred.updates == 2
+assert starred.weight_change == 0.0
+
+# %% [markdown]
+# It runs, applies on every second micro-step, and the weights never move. **Bug 2: the
+# zip.** Keras' `train_step`, lesson 01's replica step and the question's own `train_step`
+# all pass `zip(gradients, variables)`, an iterator: the first list comprehension consumes
+# it, `gradients` is empty, nothing is accumulated, and every n-th step applies zeros.
+
+# %%
+pairs = zip(["g0", "g1"], ["v0", "v1"])
+first, second = [v for (_, v) in pairs], [g for (g, _) in pairs]
+print("first read:", first, " second read:", second)
+assert first == ["v0", "v1"] and second == []
+
+
+# %% [markdown]
+# Fix 2: read it once into a list.
+
+# %%
+class CallsFixedCondPatch(StarredPatch):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads_and_vars = list(grads_and_vars)  # fix 2
+        trainable_variables = [var for (_, var) in grads_and_vars]
+        gradients = [grad for (grad, _) in grads_and_vars]
+
+        for i, grad in enumerate(gradients):
+            self.accu_gradients[i].assign_add(grad)
+
+        tf.cond(
+            self._can_apply_on_next_step(),
+            # fix 1
+            true_fn=lambda: self.apply_accu_gradients(trainable_variables, *args, **kwargs),
+            false_fn=lambda: None
+        )
+
+
+fixed_calls = {"no strategy": cond_merge_call.reproduce(None, CallsFixedCondPatch),
+               f"MirroredStrategy, {R} replicas": cond_merge_call.reproduce(
+                   strategy, CallsFixedCondPatch)}
+show_table(["both Python bugs fixed", "updates", "max abs weight change", "error"], [
+    (name, r.updates, r.weight_change, "" if r.error is None else f"`{r.error.type}`")
+    for name, r in fixed_calls.items()])
+plain, record = fixed_calls.values()
+assert plain.error is None and plain.updates == plain.micro_steps // 2 and plain.weight_change > 1e-3
+assert plain.supports_no_merge_call and record.supports_no_merge_call is False
 assert record.error.type == "RuntimeError"
 assert record.error.contains(cond_merge_call.MERGE_CALL_ERROR)
 assert record.error.contains("control flow statement which contains a synchronization point")
+print(cond_merge_call.MERGE_CALL_ERROR)
 
 # %% [markdown]
-# The same patch without any strategy runs: there, `apply_gradients` has no `merge_call`
-# at all (`strategy_supports_no_merge_call()` is true), so nothing crosses threads.
-
-# %%
-plain = cond_merge_call.reproduce(None)
-print(plain)
-assert plain.error is None and plain.supports_no_merge_call
-assert plain.updates == plain.micro_steps // 2  # n = 2: it applied every second step
-assert record.supports_no_merge_call is False
-
-# %% [markdown]
+# Now the question's error. Without a strategy the same code trains: there
+# `apply_gradients` has no `merge_call` at all (`strategy_supports_no_merge_call()` is
+# true), so nothing crosses threads. (`distgrad.pitfalls.cond_merge_call` holds the same
+# classes, `QuestionCondPatch` being the posted one, for the tests.)
+#
 # ## 2 · Keras 3's built-in `gradient_accumulation_steps` hits the same wall
 #
 # `keras.optimizers.SGD(0.1, gradient_accumulation_steps=4)` in `model.fit` under
@@ -109,16 +302,16 @@ assert record.supports_no_merge_call is False
 
 # %%
 builtin = cond_merge_call.reproduce_builtin(strategy, steps=STEPS)
-print(f"TensorFlow {builtin.tensorflow}, Keras {builtin.keras}, {builtin.strategy} x{builtin.replicas}")
-print(builtin.error.type, "-", builtin.error.message.splitlines()[0])
+builtin_plain = cond_merge_call.reproduce_builtin(None, steps=STEPS, updates=2)
+show_table(["`gradient_accumulation_steps=4` in `fit`", "error", "updates", "vs big batch"], [
+    (f"{builtin.strategy}, {builtin.replicas} replicas", f"`{builtin.error.type}`", "", ""),
+    ("no strategy", builtin_plain.error, builtin_plain.updates,
+     f"{builtin_plain.vs_big_batch.max_abs:.1e}")])
 assert builtin.error.type == "RuntimeError"
 assert builtin.error.contains("Exception encountered when calling Cond.call()")
 assert builtin.error.contains(cond_merge_call.MERGE_CALL_ERROR)
-
-builtin_plain = cond_merge_call.reproduce_builtin(None, steps=STEPS, updates=2)
-print("without a strategy:", builtin_plain.error, builtin_plain.vs_big_batch,
-      f"updates={builtin_plain.updates}, micro-steps={builtin_plain.micro_steps}")
 assert builtin_plain.error is None and builtin_plain.vs_big_batch.within()
+assert (builtin_plain.updates, builtin_plain.micro_steps) == (2, 2 * STEPS)
 
 # %% [markdown]
 # Without a strategy the built-in is correct. Keras' own distributed test of it
@@ -127,6 +320,12 @@ assert builtin_plain.error is None and builtin_plain.vs_big_batch.within()
 # `if`; `model.fit` traces the step, and the cond becomes a graph.
 #
 # ## 3 · Look inside: why a sync point cannot sit in a replica-context `tf.cond`
+#
+# <div class="diagram" data-diagram="contexts">
+#
+# [Replica context and cross-replica context](../call-path.md#contexts)
+#
+# </div>
 #
 # **Where the sync points are.** The built-in's branch is an `ops.cond` whose true branch
 # calls `_backend_update_step`; in the TensorFlow backend that function all-reduces the
@@ -152,25 +351,24 @@ show_source(mirrored_run._MirroredReplicaContext._merge_call,
 # %% [markdown]
 # **When there is no `merge_call`.** `MirroredStrategy` (and `MultiWorkerMirroredStrategy`,
 # which shares this code) skip `merge_call` only inside an XLA-compiled function on
-# all-GPU devices. Then the all-reduce is launched from each replica itself, and a cond
-# around it works as long as every replica takes the same branch. Keras' `model.fit`
-# does not ask for that by default: `jit_compile="auto"` turns XLA off under
-# `tf.distribute` (`Trainer._resolve_auto_jit_compile`).
+# all-GPU devices. Keras' `model.fit` does not ask for that by default:
+# `jit_compile="auto"` turns XLA off under `tf.distribute`
+# (`Trainer._resolve_auto_jit_compile`).
 
 # %%
 show_source(mirrored_strategy.MirroredExtended._use_merge_call,
             "return not control_flow_util.GraphOrParentsInXlaContext(", context=3)
 
 # %% [markdown]
-# On CPUs, then, `MultiWorkerMirroredStrategy` is a `merge_call` strategy too. Here is the
-# same patch under a single-worker `MultiWorkerMirroredStrategy` (a fresh process, no
-# `TF_CONFIG`: one worker, one CPU). This machine has no GPU, so the XLA-on-GPU path is
-# described from the source above, not run.
+# Outside XLA, then, `MultiWorkerMirroredStrategy` is a `merge_call` strategy too. Here is
+# the same patch (with both Python bugs fixed) under a single-worker
+# `MultiWorkerMirroredStrategy`, in a fresh process without `TF_CONFIG` (one worker, its
+# local devices):
 
 # %%
 multiworker = cond_merge_call.reproduce_under_multiworker()
-print(multiworker.replicas, "replica; no merge_call:", multiworker.supports_no_merge_call,
-      "->", multiworker.error.type)
+print(f"MultiWorkerMirroredStrategy, {multiworker.replicas} replica(s); no merge_call: "
+      f"{multiworker.supports_no_merge_call} -> {multiworker.error.type}")
 assert multiworker.supports_no_merge_call is False
 assert multiworker.error.contains(cond_merge_call.MERGE_CALL_ERROR)
 
@@ -187,25 +385,169 @@ show_source(loss_scale_optimizer.LossScaleOptimizer._tf_apply,
             "# Note: We must call this cond() in a cross-replica context.",
             "tf.distribute.get_replica_context().merge_call(", context=3)
 
+
 # %% [markdown]
-# ## 4 · The mask trick, measured
+# ## 4 · The minimal fix of the question's patch
 #
-# `mask_trick.patch_with_mask` installs lesson 04's `SeedAccumulationPatch` (the question's
-# second version, line for line) and divides the gradients by k, so that, where it works,
-# it averages like one big batch. `mask_trick.reproduce` feeds the same n·k micro-batches
-# of B through `model.fit` on R replicas three ways: with the mask trick, with
-# `AccumulatingOptimizer`, and — the reference — plain `fit` on one device with batches
-# of k·B.
+# Keep everything, move the cond. The question's accumulators, `tf.Variable`s created
+# under the strategy scope, are `MirroredVariable`s with aggregation `NONE`, and a
+# replica-context write to such a variable updates the local copy only:
+
+# %%
+with strategy.scope():
+    probe = tf.Variable(0.0)
+print(type(probe).__name__, probe.aggregation)
+assert type(probe).__name__ == "MirroredVariable"
+assert probe.aggregation == tf.VariableAggregation.NONE
+show_source(values._on_write_update_replica,
+            "if var.aggregation == vs.VariableAggregation.NONE:", context=1)
+
+
+# %% [markdown]
+# So each replica adds its gradients to its own copy, without communication, and then
+# calls `merge_call` once. The merge function runs once for all replicas, in
+# cross-replica context: it counts the step, conds, and in the taken branch calls the
+# original `apply_gradients` on every replica with `call_for_each_replica`.
+
+# %%
+class CrossReplicaCondPatch(CallsFixedCondPatch):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        trainable_variables = [var for (_, var) in grads_and_vars]
+        for i, (grad, _) in enumerate(grads_and_vars):
+            self.accu_gradients[i].assign_add(grad)  # replica-local: no communication
+
+        def cross_replica_step(distribution):  # runs once, for all replicas
+            def apply_on_replicas():
+                distribution.extended.call_for_each_replica(
+                    self.apply_accu_gradients, args=(trainable_variables, *args),
+                    kwargs=kwargs)
+
+            tf.cond(self._can_apply_on_next_step(), apply_on_replicas, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica_step)
+
+
+# %% [markdown]
+# Like the question's, it applies the **sum** of the k accumulated gradients. In a custom
+# loop whose replicas divide their loss by the global batch of the *update*
+# (k × B examples), that sum is the big batch's mean gradient. Compared with `fit` on one
+# device, batches of k × B, for SGD, momentum, Adam and AdamW:
+
+# %%
+x, y = regression_data(MICRO_BATCH * STEPS * UPDATES)
+references = {name: fit_run(None, make, x, y, STEPS * MICRO_BATCH)
+              for name, make in OPTIMIZERS.items()}
+minimal = {name: cond_merge_call.patched_run(strategy, CrossReplicaCondPatch, make, x, y,
+                                             MICRO_BATCH, STEPS, loss_batch=STEPS * MICRO_BATCH)
+           for name, make in OPTIMIZERS.items()}
+show_table(["optimizer", f"updates after {STEPS * UPDATES} micro-steps",
+            "max abs diff vs big batch", "all-reduces per step (every call, in cond)"], [
+    (name, r.updates, f"{weight_diff(r.final, references[name].final).max_abs:.1e}",
+     f"{r.placement.every_call}, {r.placement.conditional}") for name, r in minimal.items()])
+for name, r in minimal.items():
+    assert r.error is None and r.updates == references[name].updates == UPDATES
+    check_close(r.final, references[name].final, what=name)  # rtol = atol = 1e-6
+    assert (r.placement.every_call, r.placement.conditional) == (0, 1)
+
+# %% [markdown]
+# One all-reduce per update, inside the branch. In `model.fit` — the question's setting —
+# Keras' loss is each micro-batch's mean, so the sum is k times the big batch's mean
+# gradient: with SGD it equals a big batch at k times the learning rate, and with momentum
+# it is not the big batch at all.
+
+# %%
+in_fit = {name: cond_merge_call.patched_run(strategy, CrossReplicaCondPatch, OPTIMIZERS[name],
+                                            x, y, MICRO_BATCH, STEPS, fit=True)
+          for name in ("sgd", "momentum")}
+k_times_lr = fit_run(None, lambda: keras.optimizers.SGD(0.1 * STEPS), x, y, STEPS * MICRO_BATCH)
+print("fit, SGD(0.1) vs big batch with SGD(0.1 * k):",
+      check_close(in_fit["sgd"].final, k_times_lr.final))
+print("fit, momentum vs big batch:",
+      check_not_close(in_fit["momentum"].final, references["momentum"].final))
+assert in_fit["sgd"].updates == UPDATES
+assert (in_fit["sgd"].placement.every_call, in_fit["sgd"].placement.conditional) == (0, 1)
+
+# %% [markdown]
+# ## 5 · The packaged form: `AccumulatingOptimizer`
+#
+# `distgrad.optimizer.AccumulatingOptimizer(inner_optimizer, accumulation_steps)` is the
+# same shape as a Keras 3 optimizer: its `apply` adds this replica's gradients to
+# replica-local float32 accumulators, then `merge_call`s into `_cross_replica_step`:
+
+# %%
+show_code(AccumulatingOptimizer._cross_replica_step)
+
+# %% [markdown]
+# On the taken branch every replica runs `_apply_accumulated`: it divides by k (the mean,
+# so `model.fit`'s loss needs no change), clips if the inner optimizer was configured to,
+# and calls the inner optimizer's ordinary `apply`, whose SUM all-reduce is the only
+# gradient communication of the cycle:
+
+# %%
+show_code(AccumulatingOptimizer._apply_accumulated)
+
+# %% [markdown]
+# Unlike the minimal fix, it checks every replica's accumulators before it applies
+# (lesson 04 shows why), its accumulators are float32, its counters say what they count
+# (`iterations` is the inner optimizer's: updates; `total_micro_steps`: micro-batches), and
+# it is an optimizer, not a patch: `model.compile(optimizer=AccumulatingOptimizer(...))`.
+# In `model.fit` on R replicas, and in the custom loop, against one-device big-batch `fit`:
+
+# %%
+adam = OPTIMIZERS["adam"]
+packaged_fit = fit_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x, y, MICRO_BATCH)
+loop = custom_loop_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x, y, MICRO_BATCH)
+show_table(["Adam, accumulated", "max abs diff vs big batch", "updates", "micro-steps"], [
+    (name, f"{check_close(run.final, references['adam'].final).max_abs:.1e}", run.updates,
+     run.total_micro_steps) for name, run in (("`model.fit`", packaged_fit), ("custom loop", loop))])
+for run in (packaged_fit, loop):
+    assert (run.updates, run.total_micro_steps) == (UPDATES, UPDATES * STEPS)
+    assert {a.dtype for a in run.optimizer.accumulators} == {"float32"}
+
+# %% [markdown]
+# Clipping must act on the summed update. The wrapper takes the inner optimizer's
+# `global_clipnorm` and clips the all-reduced mean (lesson 01: Keras would clip each
+# replica's partial gradient), paying one extra all-reduce per update:
+
+# %%
+clipped = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)  # noqa: E731
+clip_reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
+clip_run = fit_run(strategy, lambda: AccumulatingOptimizer(clipped(), STEPS), x, y, MICRO_BATCH)
+placement = fit_step_placement(clip_run.model, x, y, MICRO_BATCH)
+unclipped_gap = weight_diff(clip_reference.final, references["sgd"].final).max_abs
+print("global_clipnorm, vs one-device clipped big batch:",
+      check_close(clip_run.final, clip_reference.final))
+print(f"  clipping is active: unclipped differs by {unclipped_gap:.3e}")
+print("  all-reduces with clipping:", placement)
+assert not weight_diff(clip_reference.final, references["sgd"].final).within()
+assert (placement.every_call, placement.conditional) == (0, 2)
+
+# %% [markdown]
+# ## 6 · The question's workaround: the mask trick, measured
+#
+# The question's second version drops the `tf.cond` and always calls the original with
+# `accu_gradients * apply`. `mask_trick.QuestionMaskPatch` is it as posted, plus a call
+# counter:
+
+# %%
+show_code(mask_trick.QuestionMaskPatch)
+
+# %% [markdown]
+# `mask_trick.patch_with_mask` installs it and divides the gradients by k, so that, where
+# it works, it averages like one big batch. `mask_trick.reproduce` feeds the same n·k
+# micro-batches of B through `model.fit` on R replicas with the mask trick and with
+# `AccumulatingOptimizer`, and compares both with the big-batch reference:
 
 # %%
 records = {name: mask_trick.reproduce(strategy, name, steps=STEPS, updates=UPDATES,
                                       micro_batch=MICRO_BATCH)
-           for name in mask_trick.OPTIMIZERS}
-print(f"{'optimizer':9s} {'mask trick vs big batch':>24s} {'iterations':>10s}   "
-      f"{'AccumulatingOptimizer':>22s} {'iterations':>10s}")
-for name, r in records.items():
-    print(f"{name:9s} {r.mask_vs_big_batch.max_abs:24.3e} {r.mask_iterations:10d}   "
-          f"{r.accumulating_vs_big_batch.max_abs:22.3e} {r.accumulating_iterations:10d}")
+           for name in OPTIMIZERS}
+show_table(["optimizer", "mask trick vs big batch", "iterations",
+            "AccumulatingOptimizer vs big batch", "iterations "], [
+    (name, f"{r.mask_vs_big_batch.max_abs:.2e}", r.mask_iterations,
+     f"{r.accumulating_vs_big_batch.max_abs:.2e}", r.accumulating_iterations)
+    for name, r in records.items()])
 
 # %%
 assert records["sgd"].mask_vs_big_batch.within()  # plain SGD: the mask trick matches
@@ -226,16 +568,19 @@ for r in records.values():
 # schedule) advances each time.
 
 # %%
-probes = {name: mask_trick.zero_gradient_step(name) for name in mask_trick.OPTIMIZERS}
+probes = {name: mask_trick.zero_gradient_step(name) for name in OPTIMIZERS}
 probes["sgd+weight_decay"] = mask_trick.zero_gradient_step(
     lambda: keras.optimizers.SGD(0.1, weight_decay=0.1))
-for name, p in probes.items():
-    decay = "" if p.moments_vs_decay is None else f", moments vs beta*moments {p.moments_vs_decay.max_abs:.1e}"
-    print(f"{name:17s} weights moved {p.weight_change_max_abs:.3e}; vs the update rule "
-          f"{p.vs_prediction.max_abs:.1e}{decay}; iterations {p.iterations_before} -> {p.iterations_after}")
+adam_like = [name for name, p in probes.items() if p.moments_vs_decay is not None]
+show_table(["zero-gradient step", "weights moved", "vs the update rule", "moments vs beta · moments",
+            "iterations"], [
+    (name, f"{p.weight_change_max_abs:.3e}", f"{p.vs_prediction.max_abs:.1e}",
+     "" if p.moments_vs_decay is None else f"{p.moments_vs_decay.max_abs:.1e}",
+     f"{p.iterations_before} → {p.iterations_after}") for name, p in probes.items()])
+for p in probes.values():
     assert p.vs_prediction.within() and p.iterations_after == p.iterations_before + 1
-    if p.moments_vs_decay is not None:
-        assert p.moments_vs_decay.within()
+assert adam_like == ["adam", "adamw"]
+assert all(probes[name].moments_vs_decay.within() for name in adam_like)
 assert probes["sgd"].weight_change_max_abs == 0.0
 assert all(probes[n].weight_change_max_abs > 0 for n in ("momentum", "adam", "adamw", "sgd+weight_decay"))
 
@@ -246,9 +591,10 @@ assert all(probes[n].weight_change_max_abs > 0 for n in ("momentum", "adam", "ad
 
 # %%
 r = records["adam"]
-print("mask trick:            ", r.mask_placement, "->", r.mask_placement.per_update(STEPS), "per update")
-print("AccumulatingOptimizer: ", r.accumulating_placement, "->",
-      r.accumulating_placement.per_update(STEPS), "per update")
+show_table(["Adam in `fit`", "all-reduces: every call", "in a cond branch", "per update"], [
+    (name, p.every_call, p.conditional, p.per_update(STEPS))
+    for name, p in (("mask trick", r.mask_placement),
+                    ("AccumulatingOptimizer", r.accumulating_placement))])
 assert (r.mask_placement.every_call, r.mask_placement.per_update(STEPS)) == (1, STEPS)
 assert (r.accumulating_placement.every_call, r.accumulating_placement.conditional) == (0, 1)
 
@@ -270,98 +616,47 @@ ax.legend(fontsize=8)
 fig.tight_layout()
 
 # %% [markdown]
-# ## 5 · The fix
-#
-# **(a) Decide in Python** (lesson 02): accumulate in one `tf.function`, apply in another,
-# and let a Python `if` choose which to run. No control flow is traced around a sync point.
-# That needs a custom loop.
-#
-# **(b) Decide in cross-replica context**, as `LossScaleOptimizer` does. That fits inside
-# one traced step, hence inside `model.fit`. `AccumulatingOptimizer(inner_optimizer, accumulation_steps)` is
-# a Keras 3 optimizer: its `apply` adds this replica's gradients to replica-local float32
-# accumulators (ON_READ variables: no communication), then `merge_call`s once:
-
-# %%
-print(inspect.getsource(AccumulatingOptimizer._cross_replica_step))
-print(inspect.getsource(AccumulatingOptimizer._apply_accumulated))
-
-# %% [markdown]
-# The inner optimizer's ordinary `apply` then runs on `accumulated / k` in replica
-# context: its one SUM all-reduce is the only gradient communication of the cycle, its
-# `iterations` counts updates (the wrapper's `iterations` *is* the inner one;
-# `total_micro_steps` counts calls), and its weight decay runs once per update. Clipping moves
-# from the inner optimizer to the wrapper, which clips the all-reduced mean (lesson 01:
-# Keras would clip each replica's partial gradient), paying one extra all-reduce only when
-# clipping is on. Without a strategy, the same code takes a plain `tf.cond`.
-#
-# ## 6 · Prove it
-#
-# Section 4 already compared `AccumulatingOptimizer` in `model.fit` on R replicas with
-# one-device big-batch `fit` for SGD, momentum, Adam and AdamW. The same holds in a
-# custom loop (`apply_gradients` inside `strategy.run`), and with clipping, which must act
-# on the summed update:
-
-# %%
-x, y = regression_data(MICRO_BATCH * STEPS * UPDATES)
-adam = mask_trick.OPTIMIZERS["adam"]
-reference = fit_run(None, adam, x, y, MICRO_BATCH * STEPS)
-loop = custom_loop_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x, y, MICRO_BATCH)
-print("custom loop vs big batch:", check_close(loop.final, reference.final),
-      f"updates={loop.updates}, micro-steps={loop.total_micro_steps}")
-assert (loop.updates, loop.total_micro_steps) == (UPDATES, UPDATES * STEPS)
-
-clipped = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)
-clip_reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
-clip_run = fit_run(strategy, lambda: AccumulatingOptimizer(clipped(), STEPS), x, y, MICRO_BATCH)
-unclipped = fit_run(None, mask_trick.OPTIMIZERS["sgd"], x, y, MICRO_BATCH * STEPS)
-print("global_clipnorm, vs one-device clipped big batch:", check_close(clip_run.final, clip_reference.final))
-print("  (clipping is active: unclipped differs by",
-      f"{weight_diff(clip_reference.final, unclipped.final).max_abs:.3e})")
-assert not weight_diff(clip_reference.final, unclipped.final).within()
-placement = mask_trick.fit_step_placement(clip_run.model, x, y, MICRO_BATCH)
-print("  all-reduces with clipping:", placement)
-assert (placement.every_call, placement.conditional) == (0, 2)
-
-# %% [markdown]
-# Its state is ordinary optimizer state. Save in the middle of an accumulation cycle,
-# load, continue: the result equals the uninterrupted run.
-
-# %%
-split = 6 * MICRO_BATCH  # 1 update + 2 accumulated micro-batches
-first = fit_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x[:split], y[:split],
-                MICRO_BATCH)
-with tempfile.TemporaryDirectory() as folder:
-    path = os.path.join(folder, "mid_cycle.keras")
-    first.model.save(path)
-    with strategy.scope():
-        loaded = keras.models.load_model(path)
-print(type(loaded.optimizer).__name__, "updates", int(loaded.optimizer.iterations.numpy()),
-      "micro-steps", int(loaded.optimizer.total_micro_steps.numpy()))
-assert (int(loaded.optimizer.iterations.numpy()), int(loaded.optimizer.total_micro_steps.numpy())) == (1, 6)
-loaded.fit(x[split:], y[split:], batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
-print("saved mid-cycle, loaded, continued vs big batch:", check_close(weights_of(loaded), reference.final))
-
-# %% [markdown]
 # ## Takeaways
 #
-# * A sync point (`apply_gradients`: all-reduce and mirrored update, both `merge_call`s)
-#   inside a `tf.cond` traced in replica context fails under `MirroredStrategy`, and under
-#   `MultiWorkerMirroredStrategy` on CPUs. Only XLA-compiled steps on GPUs skip
-#   `merge_call`.
-# * Keras 3's `gradient_accumulation_steps` is such a cond: it works without a strategy
-#   and fails in `model.fit` under `MirroredStrategy` (keras-team/keras#20582).
+# * The question's patch, as posted, has two Python bugs that Keras 3 exposes: `args,
+#   kwargs` passed as two positional arguments (`TypeError`), and a `zip` read twice
+#   (nothing accumulated, zeros applied). Read `grads_and_vars` into a list once; unpack
+#   with `*args, **kwargs`.
+# * With those fixed, a sync point (`apply_gradients`: all-reduce and mirrored update, both
+#   `merge_call`s) inside a `tf.cond` traced in replica context fails under
+#   `MirroredStrategy`, and under `MultiWorkerMirroredStrategy` outside XLA. Keras 3's
+#   `gradient_accumulation_steps` is such a cond: it works without a strategy and fails in
+#   `model.fit` under `MirroredStrategy` (keras-team/keras#20582).
+# * The minimal fix keeps the cond and moves it to cross-replica context: `merge_call`,
+#   cond, `call_for_each_replica` back to the replicas — as `LossScaleOptimizer` does. One
+#   all-reduce per update; it applies the sum, so the loss must be divided by the update's
+#   global batch.
+# * `AccumulatingOptimizer` packages that as an optimizer: the mean over k micro-batches,
+#   `iterations` counting updates, clipping on the all-reduced mean; equal to big-batch
+#   training in `model.fit` and in a custom loop.
 # * The mask trick runs but is not accumulation: the optimizer updates on every micro-step.
 #   Only plain SGD ignores zero gradients; momentum, Adam and weight decay drift,
 #   `iterations` counts micro-steps, and every micro-step pays the all-reduce.
-# * Decide in Python (lesson 02), or decide in cross-replica context via `merge_call` and
-#   go back with `call_for_each_replica`, as `LossScaleOptimizer` does.
-#   `AccumulatingOptimizer` does the latter: one all-reduce per update, updates counted as
-#   iterations, clipping and weight decay on the accumulated update, checkpointable.
-# * Under `mixed_float16`, `model.compile` wraps it in a `LossScaleOptimizer`; what happens
-#   to non-finite micro-batches is lesson 04.
+#
+# ## Exercises
+#
+# 1. Make `CrossReplicaCondPatch` average: in a subclass, override `apply_accu_gradients`
+#    to pass `[g / self.n for g in self.accu_gradients]`. Then run
+#    `weight_diff(cond_merge_call.patched_run(strategy, YourPatch, OPTIMIZERS["momentum"],
+#    x, y, MICRO_BATCH, STEPS, fit=True).final, references["momentum"].final)`: is it now
+#    within 1e-6 in `model.fit`?
+# 2. Move the cond back into replica context: write a subclass whose `apply_gradients`
+#    calls `cross_replica_step(tf.distribute.get_strategy())` directly instead of through
+#    `merge_call`. Predict the error of `cond_merge_call.reproduce(strategy, YourPatch)`
+#    from §3, then print `error_line(...error)`.
+# 3. Predict whether the mask trick matches the big batch for Adam when k = 1, then check:
+#    `mask_trick.reproduce(strategy, "adam", steps=1, updates=2,
+#    micro_batch=MICRO_BATCH).mask_vs_big_batch.within()`.
 #
 # ## Further reading
 #
+# * Saving in the middle of an accumulation cycle and resuming in a new process:
+#   [lesson 07, §5](07_beyond_the_basics.ipynb).
 # * keras-team/keras#20582 — "Rethink the conditional in the gradient accumulation".
 # * keras-team/keras#17429, tensorflow/tensorflow#59487, keras-team/tf-keras#301 — the
 #   same `merge_call` RuntimeError from accumulation in `train_step` / optimizer wrappers.

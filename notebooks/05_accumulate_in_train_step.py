@@ -27,66 +27,162 @@
 # ```
 #
 # Memory goes down, but training no longer matches plain `fit`. The accepted answer,
-# `grad = [g + _g for g, _g in zip(grad, _grad)]`, works; the "final solution" posted with
-# it has bugs of its own (`super(self).fit`, a missing `return`, private APIs that Keras 3
-# removed, ...).
+# `grad = [g + _g for g, _g in zip(grad, _grad)]`, sums correctly; the "final solution"
+# posted with it has bugs of its own (section 7).
 #
 # **Short answer.** `g += _g` on a `tf.Tensor` rebinds the Python name `g` and changes
 # nothing in the list, so each step applies the *first* micro-batch's gradient only. That
-# is Python, not TensorFlow. Below: the no-op with numbers, a reusable micro-batching
-# `train_step` (`distgrad.train_step.MicroBatching`) that is exactly equivalent to a
-# big-batch step under `MirroredStrategy` and mixed precision with one all-reduce per step,
-# what it buys in memory and costs in time, and each bug of the posted solution, run.
+# is Python, not TensorFlow. Below: the question's `train_step`, run; why the loop body
+# changes nothing; a fixed `train_step`, written here, that equals a big-batch step under
+# `MirroredStrategy` and mixed precision with one all-reduce per step; its packaged form
+# `distgrad.train_step.MicroBatching`; what it buys in memory; and the posted solution's
+# bugs, run.
 
 # %%
 import os
 
-# §5 reads the CPU allocator's statistics, which exist only with oneDNN on (TensorFlow
-# turns it on by itself only on CPUs with AVX-512): set before TensorFlow is imported.
+# Section 5 reads the CPU allocator's statistics, which TensorFlow keeps only with oneDNN
+# on (it turns oneDNN on by itself only on some CPUs): set before TensorFlow is imported.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 import distgrad
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
-distgrad.environment_report(strategy)
+assert R >= 2, "this lesson compares R >= 2 replicas with one device: set DISTGRAD_REPLICAS"
 
 # %%
 import inspect
+import textwrap
+import warnings
 
 import keras
 import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
 
-from distgrad.lab.compare import check_close, weights_of
+from distgrad.lab.compare import check_close, update_ratio, updates, weight_diff, weights_of
 from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.display import show_code, show_environment, show_table
 from distgrad.lab.graph import fit_step_placement
 from distgrad.pitfalls import compound_assignment, final_solution
 from distgrad.train_step import MicroBatching, check_micro_batches, with_micro_batches
 
 tf.get_logger().setLevel("ERROR")  # fresh models retrace on purpose; silence the notes
-GLOBAL_BATCH = 8 * R
-x, y = regression_data(2 * GLOBAL_BATCH)  # two fit steps per epoch
+show_environment(distgrad.environment_report(strategy))
 
 # %% [markdown]
-# ## 1 · Reproduce: the loop body changes nothing
+# ## 1 · Reproduce: the question's `train_step`
 #
-# `compound_assignment.reproduce` runs the question's body in a `tf.while_loop` over three
-# iterations: the accumulator starts at `[[1, 2], 10]` and iteration *i* adds
-# `[[i+1, i+1], 10(i+1)]`. Next to it: the accepted fix (return new tensors), a
-# `tf.Variable` with `assign_add`, the same body run eagerly in a plain Python loop, and
-# NumPy arrays.
+# The question's `GradAccumModel`, as posted. It runs on Keras 3 unchanged: `keras.Model`
+# is what `tensorflow.keras.models.Model` imports since TF 2.16, and Keras 3 keeps
+# `compiled_loss` and `compiled_metrics` as deprecated shims (they warn on first use).
 
 # %%
-record = compound_assignment.reproduce(iterations=3)
-for name in ("initial", "expected", "compound_in_while_loop", "returned_in_while_loop",
-             "variable_assign_add", "eager_python_loop", "numpy_in_place"):
-    print(f"{name:24s} {getattr(record, name)}")
-assert record.compound_in_while_loop == record.initial  # g += _g: nothing accumulated
-assert record.returned_in_while_loop == record.expected  # grad = [g + _g ...]; return grad
-assert record.variable_assign_add == record.expected  # state change, not a name
-assert record.eager_python_loop == record.initial  # same no-op without any graph
-assert record.numpy_in_place == record.expected  # ndarray.__iadd__ works in place
+class GradAccumModel(keras.Model):
+    def fit(self, *args, batch_size = 32, grad_accum = 1, **kwargs):
+        self.train_function = None
+        if batch_size % grad_accum != 0:
+            raise ValueError('Batch size must be divisible by the Gradient accumulation steps, dummy!')
+        self.grad_accum = grad_accum
+        self.batch_size = batch_size
+        return super(GradAccumModel, self).fit(*args,
+                                               batch_size = self.batch_size,
+                                               **kwargs)
+
+    def train_step(self, data):
+        if len(data) == 3:
+            x, y, sample_weight = data
+        else:
+            (x, y), sample_weight = data, None
+
+        step = self.batch_size // self.grad_accum
+
+        # FIRST GRADIENT
+        with tf.GradientTape() as tape:
+            y_pred = self(x[:step], training = True)  # Forward pass
+            loss = self.compiled_loss(y[:step], y_pred, sample_weight = sample_weight, regularization_losses = self.losses)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.compiled_metrics.update_state(y[:step], y_pred)
+
+        i = tf.constant(step)
+        def cond(i, *args):
+            return i < self.batch_size
+        def body(i, grad):
+            with tf.GradientTape() as tape:
+                y_pred = self(x[i:i + step], training = True) # Forward pass
+                loss = self.compiled_loss(y[i:i + step], y_pred, sample_weight = sample_weight, regularization_losses = self.losses)
+            _grad = tape.gradient(loss, self.trainable_variables)
+
+            for g,_g in zip(grad, _grad):
+                g += _g
+
+            self.compiled_metrics.update_state(y[i:i + step], y_pred)
+            return [i + step, grad]
+
+        i, gradients = tf.while_loop(cond, body, [i, gradients], parallel_iterations = 1)
+
+        # Update weights
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {m.name: m.result() for m in self.metrics}
+
+
+# %% [markdown]
+# One SGD step on a batch of 16, `grad_accum=4` (micro-batches of 4), on one device as in
+# the question, next to plain Keras on the whole batch and on the first micro-batch only:
+
+# %%
+x16, y16 = regression_data(16)
+
+
+def one_step(model, x, y, **fit_kwargs):
+    """Compile `model` with SGD(0.1), MSE and MAE; fit one step on the batch (x, y)."""
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0,
+                        **fit_kwargs)
+    return model, {key: values[0] for key, values in history.history.items()}
+
+
+def question_model():
+    base = tiny_model()
+    return GradAccumModel(base.inputs, base.outputs)
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    question, question_logs = one_step(question_model(), x16, y16, grad_accum=4)
+    question_k1, _ = one_step(question_model(), x16, y16, grad_accum=1)
+deprecations = sorted({str(w.message).split(".")[0] for w in caught
+                       if "deprecated" in str(w.message)})
+print("Keras warns:", *deprecations, sep="\n  ")
+assert deprecations == ["`model.compiled_loss()` is deprecated",
+                        "`model.compiled_metrics()` is deprecated"]
+full_batch, full_logs = one_step(tiny_model(), x16, y16)
+first_micro_batch, _ = one_step(tiny_model(), x16[:4], y16[:4])
+
+vs_first = weight_diff(weights_of(question), weights_of(first_micro_batch))
+vs_full = weight_diff(weights_of(question), weights_of(full_batch))
+k1_vs_full = weight_diff(weights_of(question_k1), weights_of(full_batch))
+show_table(["the question's model", "max abs diff to: full-batch step", "first micro-batch step"],
+           [("grad_accum=4", f"{vs_full.max_abs:.3e}", f"{vs_first.max_abs:.3e}"),
+            ("grad_accum=1 (the loop never runs)", f"{k1_vs_full.max_abs:.3e}", "")])
+assert vs_first.within() and not vs_full.within()  # it trained on the first quarter only
+assert k1_vs_full.within()
+
+# %% [markdown]
+# The history is wrong as well. The `mae` is right (the metric sees every slice), but the
+# reported `loss` is the mean *prediction*: the `compiled_metrics` shim feeds `y_pred` to
+# every `Mean` metric, and Keras 3's loss tracker is one
+# (`keras/src/backend/tensorflow/trainer.py`, `_compiled_metrics_update_state`).
+
+# %%
+mean_prediction = float(np.mean(tiny_model()(x16)))  # the weights before the step
+show_table(["", "question's `fit`", "plain `fit`"],
+           [("loss", f"{question_logs['loss']:.6f}", f"{full_logs['loss']:.6f}"),
+            ("mae", f"{question_logs['mae']:.6f}", f"{full_logs['mae']:.6f}")])
+print(f"mean prediction of the initial model: {mean_prediction:.6f}")
+assert abs(question_logs["loss"] - mean_prediction) <= 1e-6
+assert abs(question_logs["mae"] - full_logs["mae"]) <= 1e-6
+assert abs(question_logs["loss"] - full_logs["loss"]) > 1.0
 
 # %% [markdown]
 # ## 2 · Look inside: Python name rebinding
@@ -95,108 +191,212 @@ assert record.numpy_in_place == record.expected  # ndarray.__iadd__ works in pla
 # `g += _g` asks `type(g).__iadd__`; a `tf.Tensor` has none (tensors are immutable), so
 # Python falls back to `g = g + _g`: a **new** tensor bound to the loop name `g`, thrown
 # away at the next iteration. `grad` still holds the old tensors. NumPy arrays *do* have
-# an in-place `__iadd__`, which is why the line looks right to NumPy users, and why it
-# works on eager NumPy-like code and silently fails on tensors.
+# an in-place `__iadd__`, which is why the line looks right to NumPy users.
 #
-# Variables are the other way to hold state: `tf.Variable.__iadd__` refuses `+=` with an
-# error that names the fix, while a Keras 3 `keras.Variable` has no `__iadd__` at all and
-# is rebound to a plain tensor, silently, like a tensor.
+# `compound_assignment.reproduce` runs the question's loop body over three iterations on
+# an accumulator that starts at `[[1, 2], 10]`, iteration *i* adding `[[i+1, i+1], 10(i+1)]`,
+# next to the accepted fix (return new tensors), a `tf.Variable` with `assign_add`, the
+# same body run eagerly in a plain Python loop, and NumPy arrays:
 
 # %%
-print("tf.Tensor has __iadd__:  ", record.tensor_has_iadd)
-print("np.ndarray has __iadd__: ", record.ndarray_has_iadd)
-print("tf.Variable += 1.0 ->    ", record.tf_variable_iadd_error)
-print("keras.Variable += 1.0 -> the name now holds a", record.keras_variable_rebound_to,
-      "; the variable still reads", record.keras_variable_value_after)
+record = compound_assignment.reproduce(iterations=3)
+rows = [("`g += _g` in `tf.while_loop` (the question)", record.compound_in_while_loop),
+        ("`grad = [g + _g ...]`, returned (the answer)", record.returned_in_while_loop),
+        ("`tf.Variable.assign_add` in the body", record.variable_assign_add),
+        ("`g += _g`, eager Python loop", record.eager_python_loop),
+        ("`g += _g` on NumPy arrays", record.numpy_in_place)]
+show_table(["pattern", "after 3 iterations", "accumulated?"],
+           [(name, value, "yes" if value == record.expected else "no") for name, value in rows])
+print("initial", record.initial, "| expected", record.expected)
+assert record.compound_in_while_loop == record.initial  # g += _g: nothing accumulated
+assert record.returned_in_while_loop == record.expected  # grad = [g + _g ...]; return grad
+assert record.variable_assign_add == record.expected  # state change, not a name
+assert record.eager_python_loop == record.initial  # same no-op without any graph
+assert record.numpy_in_place == record.expected  # ndarray.__iadd__ works in place
+
+# %% [markdown]
+# Variables are the other way to hold state: `tf.Variable.__iadd__` refuses `+=` with an
+# error that names the fix, while a Keras 3 `keras.Variable` has no `__iadd__` at all, so
+# `+=` rebinds the name to a plain tensor, silently, as with a tensor:
+
+# %%
+show_table(["", "`+=`"],
+           [("`tf.Tensor` has `__iadd__`", record.tensor_has_iadd),
+            ("`np.ndarray` has `__iadd__`", record.ndarray_has_iadd),
+            ("`tf.Variable += 1.0`", f"{record.tf_variable_iadd_error.type}: "
+                                     "... Use `variable.assign_add(value)` ..."),
+            ("`keras.Variable += 1.0`", f"the name now holds an {record.keras_variable_rebound_to}; "
+                                        f"the variable still reads {record.keras_variable_value_after}")])
 assert not record.tensor_has_iadd and record.ndarray_has_iadd
 assert record.tf_variable_iadd_error.type == "RuntimeError"
 assert record.tf_variable_iadd_error.contains("Use `variable.assign_add(value)`")
 assert record.keras_variable_rebound_to == "EagerTensor" and record.keras_variable_value_after == 1.0
 
 # %% [markdown]
-# **Why loop variables must be returned.** `tf.while_loop(cond, body, loop_vars)` traces
-# `body` once into a function whose *outputs* become the next iteration's inputs (in the
-# graph they are the `While` op's loop-carried values). Whatever the body does to Python
-# objects happens once, at trace time; only returned tensors (and state changes such as
-# `assign_add`) survive an iteration.
-#
-# What does that do to training? `reproduce_in_fit` runs the question's first
-# `GradAccumModel.train_step` (Keras 3 spelling, otherwise unchanged: the first micro-batch
-# outside the loop, `g += _g` inside) for one SGD step on a batch of 16 split 4 ways:
+# **Why loop variables must be returned.** `tf.while_loop(cond, body, loop_vars)` runs the
+# Python `body` *once*, to trace it into the body of a `While` op; the values it returns
+# become the next iteration's inputs. A Python side effect in the body happens once, at
+# trace time, however many iterations run:
+
+# %%
+body_traces = []
+
+
+def counting_body(i, total):
+    body_traces.append(i)  # Python: runs while tracing, not per iteration
+    return i + 1, total + 1.0
+
+
+@tf.function
+def three_iterations():
+    return tf.while_loop(lambda i, _: i < 3, counting_body, [tf.constant(0), tf.constant(0.0)])
+
+
+_, total = three_iterations()
+loop_ops = {op.type for op in three_iterations.get_concrete_function().graph.get_operations()}
+print(f"loop result {float(total)}, Python body ran {len(body_traces)} time(s), "
+      f"While ops in the graph: {sorted(loop_ops & {'While', 'StatelessWhile'})}")
+assert float(total) == 3.0 and len(body_traces) == 1
+assert loop_ops & {"While", "StatelessWhile"}
+
+# %% [markdown]
+# So only returned tensors (and state changes such as `assign_add`) survive an iteration:
+# the question's model trained on a quarter of every batch, which is why its curves
+# drifted from plain `fit`. The accepted fix returns new tensors; without the division by
+# k that the question commented out, the sum of k micro-batch means is k times the batch
+# mean (`reproduce_in_fit` runs the accepted fix for one SGD step, k = 4):
 
 # %%
 in_fit = compound_assignment.reproduce_in_fit(micro_batches=4, examples=16)
-print("g += _g vs one step on the first micro-batch only:", in_fit.vs_first_micro_batch)
-print("g += _g vs one step on the whole batch:           ", in_fit.vs_full_batch)
-print("accepted fix, no 1/k: update / full-batch update = ", round(in_fit.returned_ratio, 6))
-assert in_fit.vs_first_micro_batch.within() and not in_fit.vs_full_batch.within()
+print(f"accepted fix, no 1/k: update / full-batch update = {in_fit.returned_ratio:.6f}")
 assert abs(in_fit.returned_ratio - 4.0) < 4e-6  # sum of k means: k times too large
 
 # %% [markdown]
-# So the question's model trained on a quarter of every batch, which is why its curves
-# drifted from plain `fit`. The accepted fix sums correctly; without the division the
-# question commented out, the SGD step is k times too large.
+# ## 3 · The fix, written out
 #
-# ## 3 · The fix: `MicroBatching.train_step`
+# The question's `train_step` with each problem fixed, and nothing else added:
 #
-# `distgrad.train_step.MicroBatching` is a mixin for `keras.Model`; `MicroBatchingModel`
-# is `MicroBatching + keras.Model` (it accepts functional `inputs, outputs`), and
-# `with_micro_batches(model, k)` wraps the layers of an existing functional/Sequential
-# model. The step, as installed:
+# 1. Split the batch the step **receives** (`tf.shape(x)[0]`): under `MirroredStrategy`
+#    each replica receives `batch_size / R` examples, not the `batch_size` passed to `fit`,
+#    so `fit` needs no override.
+# 2. Divide each micro-batch's loss by k: `compute_loss` returns that micro-batch's mean
+#    (already divided by R under a strategy, see [lesson 01](01_where_gradients_sync.ipynb)),
+#    and the k means must add up to the batch mean.
+# 3. Sum into **new** tensors and return them; start from zeros, so the first micro-batch
+#    needs no code of its own.
+# 4. Pass each loss through `optimizer.scale_loss` (the identity, or the loss scale of a
+#    `LossScaleOptimizer`) and call `apply_gradients` once, after the loop: its all-reduce
+#    is the only sync point of the step.
+# 5. Report what Keras' own `train_step` reports: `compute_loss` / `compute_metrics` for
+#    the deprecated shims, and the loss tracker fed with the loss before the 1/R scaling,
+#    weighted by the micro-batch's size (`keras/src/backend/tensorflow/trainer.py`,
+#    `TensorFlowTrainer.train_step`; `_loss_tracker` is the attribute it uses).
 
 # %%
-print(inspect.getsource(MicroBatching.train_step))
+class FixedGradAccumModel(keras.Model):
+    """The question's GradAccumModel, fixed: k micro-batches per fit step, one update."""
+
+    def __init__(self, *args, accumulation_steps=1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.accumulation_steps = accumulation_steps
+
+    def train_step(self, data):
+        k = self.accumulation_steps
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        step = tf.shape(x)[0] // k  # fix 1: the batch this replica received
+        variables = self.trainable_variables
+
+        def body(i, grad):
+            xs, ys = x[i * step:(i + 1) * step], y[i * step:(i + 1) * step]
+            ws = None if sample_weight is None else sample_weight[i * step:(i + 1) * step]
+            with tf.GradientTape() as tape:
+                y_pred = self(xs, training=True)
+                loss = self.compute_loss(x=xs, y=ys, y_pred=y_pred, sample_weight=ws,
+                                         training=True)
+                scaled = self.optimizer.scale_loss(loss / k)  # fixes 2 and 4
+            _grad = tape.gradient(scaled, variables)
+            grad = [g + _g for g, _g in zip(grad, _grad)]  # fix 3: new tensors, returned
+            self._loss_tracker.update_state(loss * replicas, sample_weight=tf.shape(xs)[0])
+            self.compute_metrics(xs, ys, y_pred, sample_weight=ws)  # fix 5
+            return [i + 1, grad]
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, gradients = tf.while_loop(lambda i, _: i < k, body, [tf.constant(0), zeros],
+                                     parallel_iterations=1)
+        self.optimizer.apply_gradients(zip(gradients, variables))  # fix 4: once, all-reduced
+        return self.get_metrics_result()
+
 
 # %% [markdown]
-# Why each line is there (all read from the installed Keras,
-# `keras/src/backend/tensorflow/trainer.py`, `TensorFlowTrainer.train_step`):
+# Two choices in it come from TensorFlow, not from the question:
 #
-# * **Scaling.** `compute_loss` already returns the mean over the slice it is given,
-#   divided by R (`keras/src/losses/loss.py`, `scale_loss_for_distribution`). Dividing by
-#   k once more makes the k slice losses sum to the replica's mean / R, and the optimizer's
-#   SUM all-reduce makes that the global mean. Regularization losses are added once per
-#   slice, times 1/k: once per step.
-# * **Mixed precision.** `optimizer.scale_loss` multiplies by the dynamic loss scale (the
-#   identity without a `LossScaleOptimizer`); the summed *scaled* gradients reach
-#   `apply_gradients` once, so the `LossScaleOptimizer` checks, unscales, and updates once.
-# * **Metrics.** The loss tracker gets each slice's loss weighted by the slice size, and
-#   `compute_metrics` runs on each slice; Keras' `Mean`-based metrics over k equal slices
-#   equal the metric over the batch.
-# * **No `tf.cond`, one all-reduce.** The loop body contains no `apply_gradients`, hence
-#   no `merge_call` and no collective; it is applied after the loop, unconditionally.
-# * **An explicit `tf.while_loop`**, because Keras traces `train_step` under
-#   `tf.autograph.experimental.do_not_convert` (`TensorFlowTrainer._make_function`): a
-#   Python `for i in tf.range(k)` fails there instead of becoming a loop.
-# * **`parallel_iterations=1`**: the next slice's forward pass does not depend on this
-#   slice's gradients, and `tf.while_loop` allows 10 iterations to run in parallel by
-#   default (its `parallel_iterations` argument), which could keep several slices'
-#   activations alive together.
-#
+# * **An explicit `tf.while_loop`.** Keras traces `train_step` without AutoGraph
+#   (`tf.autograph.experimental.do_not_convert` in `TensorFlowTrainer._make_function`),
+#   so a Python `for i in tf.range(k)` does not become a loop; it fails:
+# * **`parallel_iterations=1`.** The default lets `tf.while_loop` run up to 10 iterations
+#   at once; the next micro-batch's forward pass does not depend on this one's gradients,
+#   so several micro-batches' activations could be alive together, which is the memory
+#   accumulation exists to save.
+
+# %%
+class RangeLoopModel(keras.Model):
+    def train_step(self, data):
+        total = tf.constant(0.0)
+        for _ in tf.range(2):
+            total += 1.0
+        return {"total": total}
+
+
+base = tiny_model()
+range_model = RangeLoopModel(base.inputs, base.outputs)
+range_model.compile(optimizer="sgd", loss="mse")
+try:
+    range_model.fit(x16, y16, batch_size=16, verbose=0)
+    range_error = None
+except tf.errors.OperatorNotAllowedInGraphError as err:
+    range_error = str(err)
+print("for i in tf.range(k) in train_step:\n ", range_error[:62], "...")
+default_parallel = inspect.signature(tf.while_loop).parameters["parallel_iterations"].default
+print("tf.while_loop's default parallel_iterations:", default_parallel)
+assert range_error.startswith("Iterating over a symbolic `tf.Tensor` is not allowed")
+assert default_parallel == 10
+
+# %% [markdown]
 # ## 4 · Prove it
 #
 # ### Equivalence with big-batch `fit`, for SGD, momentum and Adam
 #
-# Each recipe trains for 2 epochs of 2 steps with `fit`; the reference is plain Keras on
-# one device with the whole batch. Weights must agree to `rtol = atol = 1e-6`, and the
+# Each run trains for 2 epochs of 2 steps with `fit`. `FixedGradAccumModel` runs on R
+# replicas with k = 4 micro-batches per replica; the reference is plain Keras on one
+# device with the whole batch. Weights must agree to `rtol = atol = 1e-6`, and the
 # `loss` and `mae` that `fit` reports must be the big-batch ones.
 
 # %%
+GLOBAL_BATCH = 8 * R
+x, y = regression_data(2 * GLOBAL_BATCH)  # two fit steps per epoch
+K = 4
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
     "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
 }
+one_device = tf.distribute.get_strategy()
 
 
-def fit(on, optimizer, micro_batches=None, model_factory=tiny_model, data=(x, y),
-        batch_size=GLOBAL_BATCH, epochs=2, loss="mse", metrics=("mae",)):
-    """Fit a fresh model; micro_batches=None is plain Keras."""
+def fixed(model, accumulation_steps):
+    return FixedGradAccumModel(model.inputs, model.outputs, accumulation_steps=accumulation_steps)
+
+
+def fit(on, optimizer, accumulation_steps=None, wrap=fixed, model_factory=tiny_model,
+        data=(x, y), epochs=2, metrics=("mae",)):
+    """Fit a fresh model; accumulation_steps=None is plain Keras."""
     with on.scope():
         model = model_factory()
-        if micro_batches is not None:
-            model = with_micro_batches(model, micro_batches)
-        model.compile(optimizer=optimizer(), loss=loss, metrics=list(metrics))
-    history = model.fit(*data, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+        if accumulation_steps is not None:
+            model = wrap(model, accumulation_steps)
+        model.compile(optimizer=optimizer(), loss="mse", metrics=list(metrics))
+    history = model.fit(*data, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history
 
 
@@ -204,45 +404,61 @@ def same_history(actual, expected):
     return all(np.allclose(actual[key], expected[key], rtol=1e-6, atol=1e-6) for key in expected)
 
 
-one_device = tf.distribute.get_strategy()
-K = 4
+rows = []
 for name, make in OPTIMIZERS.items():
     plain, plain_history = fit(one_device, make)
-    micro, micro_history = fit(strategy, make, micro_batches=K)
-    diff = check_close(weights_of(micro), weights_of(plain))
-    print(f"{name:9s} {R} replicas x {K} micro-batches vs 1 device, big batch: {diff}")
-    print(f"          history {micro_history}\n          big batch {plain_history}")
-    assert same_history(micro_history, plain_history)
-    assert int(micro.optimizer.iterations.numpy()) == 4  # one update per fit step
+    ours, our_history = fit(strategy, make, K)
+    packaged, _ = fit(strategy, make, K, wrap=with_micro_batches)
+    diff = check_close(weights_of(ours), weights_of(plain))
+    packaged_diff = check_close(weights_of(packaged), weights_of(ours))
+    assert same_history(our_history, plain_history)
+    assert int(ours.optimizer.iterations.numpy()) == 4  # one update per fit step
+    rows.append((name, f"{diff.max_abs:.1e}", f"{our_history['loss'][-1]:.6f}",
+                 f"{plain_history['loss'][-1]:.6f}", int(ours.optimizer.iterations.numpy()),
+                 f"{packaged_diff.max_abs:.1e}"))
+show_table(["optimizer", f"{R} replicas x {K} vs 1 device: max abs diff",
+            "last loss (ours)", "(big batch)", "updates", "`MicroBatching` vs ours"], rows)
+
+# %% [markdown]
+# The last column is the packaged form, `distgrad.train_step.MicroBatching` (a mixin;
+# `MicroBatchingModel` is `MicroBatching + keras.Model` and `with_micro_batches(model, k)`
+# wraps the layers of a built model): the same weights. Its `train_step` is the one
+# above plus what a library needs: a check that every batch splits (below), a guard
+# for XLA, and variables the loss does not reach (`None` gradients):
+
+# %%
+show_code(MicroBatching.train_step)
 
 # %% [markdown]
 # ### One all-reduce per step, outside the loop
 #
 # `fit_step_placement` traces the very `tf.function` that `model.fit` calls each step
-# (`model.train_function`), and counts the all-reduce ops in it, and
-# how many of them sit inside a `tf.while_loop` body (those would run k times).
+# (`model.train_function`), counts the all-reduce ops in it, and how many of them sit
+# inside a `tf.while_loop` body (those would run k times).
 
 # %%
-micro, _ = fit(strategy, OPTIMIZERS["adam"], micro_batches=K, epochs=1)
+ours, _ = fit(strategy, OPTIMIZERS["adam"], K, epochs=1)
 plain, _ = fit(strategy, OPTIMIZERS["adam"], epochs=1)
-micro_counts = fit_step_placement(micro, x, y, GLOBAL_BATCH)
+our_counts = fit_step_placement(ours, x, y, GLOBAL_BATCH)
 plain_counts = fit_step_placement(plain, x, y, GLOBAL_BATCH)
-print("micro-batched step:", micro_counts)
-print("plain Keras step:  ", plain_counts)
-if R > 1:
-    assert micro_counts.all_reduces == plain_counts.all_reduces == 1
-assert micro_counts.in_while_bodies == 0 and micro_counts.while_loops == 1
+show_table(["step", "all-reduces", "inside a while body", "while loops"],
+           [(f"`FixedGradAccumModel`, k={K}", our_counts.all_reduces,
+             our_counts.in_while_bodies, our_counts.while_loops),
+            ("plain Keras", plain_counts.all_reduces, plain_counts.in_while_bodies,
+             plain_counts.while_loops)])
+assert our_counts.all_reduces == plain_counts.all_reduces == 1
+assert our_counts.in_while_bodies == 0 and our_counts.while_loops == 1
 
 # %% [markdown]
 # ### Mixed precision
 #
 # Under `mixed_float16` the forward and backward passes run in float16: a different split
 # of the batch changes float16 sums in the backward pass, so a big-batch step is not an
-# exact reference.
-# Two checks that are exact: (1) R replicas x 2 micro-batches equals 1 device x 2R
-# micro-batches, because both see the same float16 slices of 4 examples and differ only in
-# the 1/R and 1/k factors and in the order of float32 sums; (2) a step whose gradients
-# overflow is skipped *once* and halves the loss scale *once*, not once per micro-batch.
+# exact reference. Two checks that are exact: (1) R replicas x 2 micro-batches equals
+# 1 device x 2R micro-batches, because both see the same float16 slices of 4 examples and
+# differ only in the 1/R and 1/k factors and in the order of float32 sums; (2) a step
+# whose gradients overflow is skipped *once* and halves the loss scale *once*, not once
+# per micro-batch.
 
 # %%
 def mixed_model():
@@ -256,77 +472,86 @@ def lso_sgd(initial_scale=2.0 ** 15):
 
 replicas_run, replicas_history = fit(strategy, lso_sgd(), 2, model_factory=mixed_model)
 device_run, device_history = fit(one_device, lso_sgd(), 2 * R, model_factory=mixed_model)
-print(f"mixed_float16, {R} replicas x 2 vs 1 device x {2 * R}:",
-      check_close(weights_of(replicas_run), weights_of(device_run)))
+mixed_diff = check_close(weights_of(replicas_run), weights_of(device_run))
+print(f"mixed_float16, {R} replicas x 2 vs 1 device x {2 * R}: max abs diff {mixed_diff.max_abs:.1e}")
 assert same_history(replicas_history, device_history)
 
 overflow, _ = fit(strategy, lso_sgd(2.0 ** 10), K, model_factory=mixed_model,
                   data=(x[:GLOBAL_BATCH] * 3e4, y[:GLOBAL_BATCH]), epochs=1)
-print("overflowing step: iterations", int(overflow.optimizer.iterations.numpy()),
-      "loss scale 1024 ->", float(overflow.optimizer.dynamic_scale.numpy()))
+print("overflowing step: updates", int(overflow.optimizer.iterations.numpy()),
+      "| loss scale 1024 ->", float(overflow.optimizer.dynamic_scale.numpy()))
 assert int(overflow.optimizer.iterations.numpy()) == 0
 assert float(overflow.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
 
 # %% [markdown]
-# One caveat belongs to Keras, not to micro-batching (lesson 04): under `MirroredStrategy`
-# Keras 3's `LossScaleOptimizer` decides "all gradients finite?" from replica 0's *local*
-# gradients, so an overflow on another replica only is applied to the weights, with plain
-# `fit` and with `MicroBatching` alike (`tests/test_train_step.py` pins both). Lesson 04's
-# `AllReplicasFiniteLossScaleOptimizer` fixes it, and drops into `MicroBatching` unchanged:
-# the overflow on replica 1 is skipped, and the step still has one all-reduce.
+# One caveat belongs to Keras, not to accumulation ([lesson 04](04_loss_scale_optimizer_pitfall.ipynb)):
+# under `MirroredStrategy` Keras 3's `LossScaleOptimizer` decides "all gradients finite?"
+# from replica 0's *local* gradients, so an overflow on another replica only is applied
+# to the weights, with plain `fit` and with micro-batches alike (`tests/test_train_step.py`
+# pins both). Lesson 04's `AllReplicasFiniteLossScaleOptimizer` fixes it and drops into
+# the `train_step` above unchanged: the overflow on the replicas after replica 0 is
+# skipped, and the step still has one all-reduce.
 
 # %%
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
-if R > 1:
-    targets = y[:GLOBAL_BATCH].copy()
-    targets[GLOBAL_BATCH // R:] = 6e4  # only the replicas after replica 0 overflow
-    guarded, _ = fit(strategy, lambda: AllReplicasFiniteLossScaleOptimizer(
-        keras.optimizers.SGD(0.1), initial_scale=2.0 ** 10), 2, model_factory=mixed_model,
-        data=(x[:GLOBAL_BATCH], targets), epochs=1)
-    guarded_counts = fit_step_placement(guarded, x[:GLOBAL_BATCH], targets,
-                                                     GLOBAL_BATCH)
-    print("overflow on replicas 1..R-1: iterations", int(guarded.optimizer.iterations.numpy()),
-          "| loss scale", float(guarded.optimizer.dynamic_scale.numpy()), "|", guarded_counts)
-    assert int(guarded.optimizer.iterations.numpy()) == 0
-    assert (guarded_counts.all_reduces, guarded_counts.in_while_bodies) == (1, 0)
+targets = y[:GLOBAL_BATCH].copy()
+targets[GLOBAL_BATCH // R:] = 6e4  # only the replicas after replica 0 overflow
+guarded, _ = fit(strategy, lambda: AllReplicasFiniteLossScaleOptimizer(
+    keras.optimizers.SGD(0.1), initial_scale=2.0 ** 10), 2, model_factory=mixed_model,
+    data=(x[:GLOBAL_BATCH], targets), epochs=1)
+guarded_counts = fit_step_placement(guarded, x[:GLOBAL_BATCH], targets, GLOBAL_BATCH)
+print("overflow on replicas 1..R-1: updates", int(guarded.optimizer.iterations.numpy()),
+      "| loss scale", float(guarded.optimizer.dynamic_scale.numpy()),
+      "| all-reduces", guarded_counts.all_reduces, "| in while bodies", guarded_counts.in_while_bodies)
+assert int(guarded.optimizer.iterations.numpy()) == 0
+assert float(guarded.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
+assert (guarded_counts.all_reduces, guarded_counts.in_while_bodies) == (1, 0)
 
 # %% [markdown]
-#
 # ### A batch that does not split
 #
-# Every batch must hold a multiple of `accumulation_steps x replicas` examples, the last batch of
-# an epoch included. With static shapes the step fails while tracing, with a `ValueError`;
-# with a partial last batch (numpy input whose length is not a multiple of `batch_size`) it
-# fails when that batch arrives. Both messages name the fix.
+# `FixedGradAccumModel` trusts every batch to hold a multiple of k x R examples: a last
+# batch of `GLOBAL_BATCH - 2` examples (numpy input whose length is not a multiple of
+# `batch_size`) trains without an error: `// k` rounds the micro-batch size down, and the
+# examples after the k-th micro-batch are never seen.
+# `MicroBatching` checks: with static shapes the step fails while tracing, with a
+# `ValueError`; with a partial last batch it fails when that batch arrives. Both
+# messages name the fix.
 
 # %%
 ragged_x, ragged_y = regression_data(2 * GLOBAL_BATCH - 2)
+fit(strategy, OPTIMIZERS["sgd"], K, data=(ragged_x, ragged_y), epochs=1)  # no error
 try:
-    fit(strategy, OPTIMIZERS["sgd"], K, data=(ragged_x, ragged_y), epochs=1)
+    fit(strategy, OPTIMIZERS["sgd"], K, wrap=with_micro_batches, data=(ragged_x, ragged_y),
+        epochs=1)
     ragged_error = None
 except tf.errors.InvalidArgumentError as err:
     ragged_error = next(line for line in str(err).splitlines() if "assertion failed" in line)
-print(ragged_error[:400])
+print(textwrap.fill(ragged_error.strip(), 96))
 assert "drop_remainder=True" in ragged_error and f"accumulation_steps={K}" in ragged_error
 
 try:
     check_micro_batches(12, 4, 2)
+    split_error = None
 except ValueError as err:
-    print(err)
-    assert "multiple of accumulation_steps x replicas = 8 (e.g. 8 or 16)" in str(err)
+    split_error = str(err)
+print(textwrap.fill(split_error, 96))
+assert "multiple of accumulation_steps x replicas = 8 (e.g. 8 or 16)" in split_error
 
 # %% [markdown]
 # ## 5 · What it buys: memory, and what it costs: time
 #
-# A wide MLP (3 tanh layers of 512 units, 64 inputs) trains on one global batch of 4096
-# examples with k = 1 ... 16 micro-batches: its activations, not its weights, dominate. **Allocator peak**: TensorFlow's own counter of
-# tensor bytes (`tf.config.experimental.get_memory_info`, reset before the step) on
-# `allocator_device(...)`: on a GPU the first GPU (replica 0); on CPU the one allocator all
-# logical CPU devices share, i.e. every replica together. We report the peak *above* what
-# was live before the step (weights, slots, data). It counts tensors only, and on CPU not
-# even all of them: the probe below shows small temporaries are not counted, so the CPU
-# number is a lower bound that tracks the large activations, which is what k changes.
+# A wide MLP (3 tanh layers of 512 units, 64 inputs; `lab.memory.wide_mlp`, a
+# `MicroBatchingModel`) trains on one global batch of 4096 examples with k = 1 ... 16
+# micro-batches: its activations, not its weights, dominate. **Allocator peak**:
+# TensorFlow's own counter of tensor bytes (`tf.config.experimental.get_memory_info`,
+# reset before the step) on `allocator_device(...)`: with GPUs the first GPU (replica 0);
+# on CPU the one allocator all logical CPU devices share, i.e. every replica together.
+# We report the peak *above* what was live before the step (weights, slots, data). It
+# counts tensors only, and the CPU allocator not even all of them: the probe below shows
+# that it does not count small temporaries, so a CPU number is a lower bound that tracks
+# the large activations, which is what k changes.
 
 # %%
 from distgrad.lab.memory import (
@@ -337,11 +562,11 @@ from distgrad.lab.memory import (
     wide_mlp,
 )
 
+probe = {kib: allocator_counts(kib * 1024, "CPU:0") for kib in (128, 256, 1024)}
+print("CPU allocator statistic counts a temporary of (KiB):", probe)
+assert probe == {128: False, 256: True, 1024: True}
+
 device = allocator_device(len(tf.config.list_physical_devices("GPU")))
-if device == "CPU:0":
-    probe = {kib: allocator_counts(kib * 1024, device) for kib in (128, 256, 1024)}
-    print("CPU allocator statistic counts a temporary of (KiB):", probe)
-    assert probe == {128: False, 256: True, 1024: True}
 rng = np.random.default_rng(0)
 WIDE = {"features": 64, "hidden": 512, "layers": 3}
 WIDE_BATCH = 4096
@@ -356,21 +581,25 @@ for k in MICRO:
     step, seconds = profile_fit_step(model, wide_x, wide_y, WIDE_BATCH, timed_steps=3,
                                      device=device)  # seconds: fastest of 3 steps
     step_mib[k], step_ms[k] = step.step_bytes / 2 ** 20, 1000 * seconds
-    print(f"k={k:2d}: step peak {step_mib[k]:6.1f} MiB above live on {device}, {step_ms[k]:6.0f} ms/step")
+show_table(["k", f"step peak above live on {device} (MiB)", "ms per step (fastest of 3)"],
+           [(k, f"{step_mib[k]:.1f}", f"{step_ms[k]:.0f}") for k in MICRO])
 assert step_mib[1] - step_mib[8] > 3  # MiB: the full-batch activations are gone
 
 # %% [markdown]
 # **Peak RSS**, for comparison, in a fresh process per setting (`fresh_process_step_memory`:
 # RSS is a lifetime maximum, so a process can only measure one configuration). It includes
 # the TensorFlow runtime, Python, the traced graphs, and all tensors, so the step is a
-# small difference on a large base. One replica here, k = 1 and k = 16.
+# small difference on a large base. One replica, k = 1 and k = 16.
 
 # %%
 fresh = {k: fresh_process_step_memory(k, batch_size=WIDE_BATCH, timed_steps=1, **WIDE)
          for k in (1, 16)}
-for k, m in fresh.items():
-    print(f"k={k:2d}: RSS before fit {m.rss_before / 2**20:6.0f} MiB, peak {m.rss_peak / 2**20:6.0f} MiB "
-          f"(+{m.rss_growth / 2**20:.0f} MiB, tracing included); allocator step {m.step.step_bytes / 2**20:.1f} MiB")
+show_table(["k", "RSS before fit (MiB)", "peak RSS (MiB)", "growth, tracing included",
+            "allocator step (MiB)"],
+           [(k, f"{m.rss_before / 2**20:.0f}", f"{m.rss_peak / 2**20:.0f}",
+             f"+{m.rss_growth / 2**20:.0f}", f"{m.step.step_bytes / 2**20:.1f}")
+            for k, m in fresh.items()])
+for m in fresh.values():
     assert m.rss_before > 10 * m.step.step_bytes  # the runtime, not the step, dominates RSS
 
 # %%
@@ -380,7 +609,7 @@ left.set(xscale="log", xlabel="micro-batches k", ylabel="MiB",
          title=f"allocator peak above live ({device}, {R} replicas)")
 middle.plot(MICRO, [step_ms[k] for k in MICRO], "o-")
 middle.set(xscale="log", xlabel="micro-batches k", ylabel="ms per step",
-           title="step time (fastest of 3; shared CPU)")
+           title="step time (fastest of 3)")
 for axis in (left, middle):
     axis.set_xticks(MICRO, [str(k) for k in MICRO])
 labels_rss = [f"k={k}" for k in fresh]
@@ -394,56 +623,60 @@ plt.show()
 
 # %% [markdown]
 # The allocator numbers show what micro-batching buys: the full-batch activations shrink
-# with k towards a floor (gradients, the accumulators, the slices of the input batch).
-# Peak RSS, printed for the same workload in fresh processes, is set by the runtime and
-# tracing, far above one step's tensors: on CPU it is the wrong instrument for this
-# question, and the allocator statistic (or `get_memory_info("GPU:0")` on a GPU) is the
-# right one. What micro-batching costs: k smaller matmuls run one after another
-# (`parallel_iterations=1`); read the printed step times, which on a shared 2-core CPU are
-# noisy even as the fastest of 3. Micro-batching is for batches whose activations do not
-# fit, not for speed.
+# with k towards a floor (gradients, the accumulated sums, the slices of the input batch).
+# Peak RSS, measured for the same workload in fresh processes, is set by the runtime and
+# tracing, far above one step's tensors: it is the wrong instrument for this question,
+# and the allocator statistic is the right one. The cost is time: the k micro-batches run
+# one after another (`parallel_iterations=1`), each a smaller matrix product. The step
+# times above are measured, not asserted: they depend on the machine and its load.
 #
 # ## 6 · In-step or cross-step accumulation?
 #
-# `MicroBatching` (this lesson) splits *one* fit step; `AccumulatingOptimizer`
-# (`distgrad.optimizer`, lessons 02-03) accumulates across *k* fit steps and updates on
-# every k-th. Both make one update from k micro-batches with one all-reduce.
+# The `train_step` of this lesson splits *one* fit step; `AccumulatingOptimizer`
+# ([lessons 02](02_accumulate_in_custom_loop.ipynb)–[03](03_cond_and_merge_call.ipynb))
+# accumulates across *k* fit steps and updates on every k-th. Both make one update from
+# k micro-batches with one all-reduce.
 #
-# | | in-step: `MicroBatching` | cross-step: `AccumulatingOptimizer` |
+# | | in-step: this `train_step`, `MicroBatching` | cross-step: `AccumulatingOptimizer` |
 # |---|---|---|
-# | one fit step is | one update (`iterations` == steps, as asserted above) | one micro-batch; k steps per update |
-# | callbacks, progress bar, `steps_per_epoch` | count updates | count micro-batches |
-# | metrics in the history | those of the big batch (asserted above) | those of micro-batches |
-# | learning-rate schedules | see updates, unchanged | see the inner optimizer's `iterations` (updates) |
+# | one fit step is | one update (`iterations` == steps, section 4) | one micro-batch; k steps per update |
+# | metrics in the history | those of the big batch (section 4) | those of micro-batches |
 # | data pipeline | yields the **big** batch (the input batch must fit in memory) | yields micro-batches |
-# | graph | k is a constant in the traced step; changing it retraces | k is optimizer state |
-# | extra memory | one gradient-sized accumulator (a loop variable) | accumulator variables, checkpointed |
-# | batch size constraint | batch divisible by k x replicas, last batch included | none per batch |
+# | k | a constant in the traced step | optimizer state |
+# | state between steps | none: the sums are loop variables of one step | accumulator variables, checkpointed |
+# | batch size constraint | every batch divisible by k x replicas (section 4) | none per batch |
 #
 # Choose in-step when you want `fit` to behave exactly as with the big batch and only the
-# activations do not fit. Choose cross-step when even the input batch does not fit, or when
-# the pipeline already produces small batches.
+# activations do not fit. Choose cross-step when even the input batch does not fit, or
+# when the pipeline already produces small batches.
 #
 # ## 7 · The posted "final solution", against Keras 3
 #
-# `final_solution.audit_final_solution` runs each problem. Where the code is needed to run at all,
-# `QuestionFinalSolutionModel` ports it only where Keras 3 forces it (public imports,
-# `scale_loss`, `super()`), keeping its logic.
+# The answer's "final solution" sums correctly (`grad = [g + _g ...]`) and divides by k,
+# but wraps `fit` and reaches into Keras 2's private API.
+# `final_solution.audit_final_solution` runs each problem; where the code is needed to
+# run at all, `QuestionFinalSolutionModel` ports it only where Keras 3 forces it (public
+# imports, `scale_loss`, `super()`), keeping its logic.
 
 # %%
 audit = final_solution.audit_final_solution(strategy)
-print("1. super(self).fit:           ", audit.super_self_error)
-for module, error in audit.import_errors.items():
-    print("2. import", module, "->", error.type)
-print("   Keras 3 LossScaleOptimizer isinstance of tensorflow.python.keras's:", audit.legacy_isinstance)
-print("3. private optimizer APIs present:", audit.attributes_present)
-print("   apply_gradients(..., experimental_aggregate_gradients=False):", audit.aggregate_flag_error.type)
-print("   Keras 3 apply_gradients clips by itself:", audit.apply_clips_itself)
-print("4. fit(grad_accum_steps=1), one batch, one epoch -> optimizer steps:", audit.iterations_with_k1)
-print(f"5. reported 'loss' {audit.reported_loss:.6f}, mean prediction {audit.mean_prediction:.6f}, "
-      f"real loss {audit.true_loss:.6f}")
-print(f"6. replicas read in fit: {audit.replicas_seen_in_fit}, model's: {audit.replicas_of_model}, "
-      f"update / correct update: {audit.two_replica_update_ratio:.6f}")
+attributes_present = [name for name, present in audit.attributes_present.items() if present]
+show_table(["#", "the posted code", "on the installed TF / Keras"], [
+    (1, "`super(self).fit(...)`", f"{audit.super_self_error.type}: super() argument 1 must be a type"),
+    (2, "private imports", ", ".join(f"`{m.split('.')[-1]}`: {e.type}"
+                                     for m, e in audit.import_errors.items())),
+    (2, "`isinstance(opt, <tensorflow.python.keras LossScaleOptimizer>)`", audit.legacy_isinstance),
+    (3, "private optimizer attributes still present", attributes_present or "none"),
+    (3, "`apply_gradients(..., experimental_aggregate_gradients=False)`",
+     audit.aggregate_flag_error.type),
+    (3, "Keras 3 `apply_gradients` clips by itself", audit.apply_clips_itself),
+    (4, "`fit(grad_accum_steps=1)`, one batch, one epoch: updates", audit.iterations_with_k1),
+    (5, "reported loss / mean prediction / real loss",
+     f"{audit.reported_loss:.4f} / {audit.mean_prediction:.4f} / {audit.true_loss:.4f}"),
+    (6, "replicas read in `fit` / of the model",
+     f"{audit.replicas_seen_in_fit} / {audit.replicas_of_model}"),
+    (6, "update / correct update", f"{audit.two_replica_update_ratio:.6f}"),
+])
 assert audit.super_self_error.contains("super() argument 1 must be a type")
 assert all(e.type == "ModuleNotFoundError" for e in audit.import_errors.values())
 assert not any(audit.attributes_present.values()) and not audit.legacy_isinstance
@@ -458,37 +691,35 @@ assert abs(audit.two_replica_update_ratio - 1 / audit.replicas_of_model) < 1e-6
 #
 # 1. **`super(self).fit`**: `super()` needs a class; use `super().fit` (TypeError above).
 # 2. **Private imports** `tensorflow.python.keras.mixed_precision.experimental` and
-#    `tensorflow.python.distribute.distribution_strategy_context` no longer exist
-#    (`tensorflow.python.util.nest` survives but is private: use `tf.nest`/`keras.tree`).
-#    The `tensorflow.python.keras` package that still ships is TF's frozen Keras 2 copy: its
+#    `tensorflow.python.distribute.distribution_strategy_context` no longer exist. The
+#    `tensorflow.python.keras` package that still ships is TF's frozen Keras 2 copy: its
 #    `LossScaleOptimizer` is not `keras.optimizers.LossScaleOptimizer`, so the posted
 #    `isinstance` check would skip loss scaling without an error.
 # 3. **Private optimizer APIs**: `_HAS_AGGREGATE_GRAD`, `_aggregate_gradients`,
 #    `get_scaled_loss`, `get_unscaled_gradients`, `experimental_aggregate_gradients` are
-#    gone. In Keras 3 `apply_gradients` always all-reduces, unscales (`LossScaleOptimizer`)
-#    and clips by itself; `optimizer.scale_loss(loss)` is the public way to scale.
+#    gone. In Keras 3 `apply_gradients` all-reduces, unscales (`LossScaleOptimizer`) and
+#    clips by itself (keras-team/keras#19308 asks for the Keras 2 opt-out back);
+#    `optimizer.scale_loss(loss)` is the public way to scale.
 # 4. **Missing `return`** after `super().fit(...)` in the `grad_accum_steps == 1` branch:
-#    `fit` trains twice (two optimizer steps for one batch, above).
-# 5. **`compiled_loss` / `compiled_metrics`** are deprecated shims in Keras 3:
-#    `compiled_metrics.update_state` feeds `y_pred` to every `Mean` metric, the loss tracker
-#    included, so the history's "loss" is the mean prediction (above). Use
-#    `compute_loss` and `compute_metrics`, and update the loss tracker yourself.
+#    `fit` trains twice (two updates for one batch, above).
+# 5. **`compiled_loss` / `compiled_metrics`**: the shims of section 1; the history's
+#    "loss" is the mean prediction. Use `compute_loss` and `compute_metrics`, and update
+#    the loss tracker yourself, as section 3 does.
 # 6. **The replica count** comes from `get_strategy()` inside `fit`, which runs outside
 #    `strategy.scope()` and sees the default strategy (1 replica). The loop then runs to
 #    the *global* batch size over a per-replica batch: the extra slices are empty and the
-#    update is 1/R of the right one (above). Use `self.distribute_strategy`, or better,
-#    compute everything from the batch actually received (`tf.shape(x)[0]`), as
-#    `MicroBatching` does.
+#    update is 1/R of the right one (above). Split the batch actually received
+#    (`tf.shape(x)[0]`), as section 3 does.
 # 7. **Ragged batches**: `step` is fixed from the `batch_size` argument, not from the batch
 #    received, so a smaller last batch is split into slices that are weighted 1/k whatever
 #    their size; `MicroBatching` raises instead (section 4).
 # 8. **Swapping `self.train_step` on the instance** inside `fit`, with no `try/finally`,
-#    leaves the swap in place if `fit` raises. Overriding `train_step` in a class, with `k`
-#    an attribute whose setter drops the traced function, needs no swap.
+#    leaves the swap in place if `fit` raises. Overriding `train_step` in the class needs
+#    no swap.
 #
-# **The corrected code, running**: the question's setup (softmax classifier, sparse
-# categorical cross-entropy, an accuracy metric, `fit` with a large batch) with
-# `MicroBatchingModel`, on the lesson's strategy, against plain Keras on one device.
+# **The fixed code on the question's setup**: a softmax classifier, sparse categorical
+# cross-entropy, an accuracy metric, `fit` with a large batch, with `FixedGradAccumModel`
+# on the lesson's strategy against plain Keras on one device.
 
 # %%
 from distgrad.lab.data import classifier_model
@@ -496,45 +727,64 @@ from distgrad.lab.data import classifier_model
 labels = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")  # 3 classes
 
 
-def fit_classifier(on, micro_batches=None):
+def fit_classifier(on, accumulation_steps=None):
     with on.scope():
-        model = classifier_model(micro_batches)
+        model = classifier_model()
+        if accumulation_steps is not None:
+            model = fixed(model, accumulation_steps)
         model.compile(optimizer=keras.optimizers.Adam(1e-2),
                       loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["acc"])
     history = model.fit(x, labels, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0)
     return model, history.history
 
 
-fixed, fixed_history = fit_classifier(strategy, micro_batches=K)
+ours, our_history = fit_classifier(strategy, accumulation_steps=K)
 reference, reference_history = fit_classifier(one_device)
-print(f"MicroBatchingModel, {R} replicas x {K}:", fixed_history)
-print("plain Keras, 1 device, big batch:", reference_history)
-print(check_close(weights_of(fixed), weights_of(reference)))
-assert same_history(fixed_history, reference_history)
+show_table(["epoch", f"loss ({R} replicas x {K})", "loss (1 device)", "acc (ours)", "acc (1 device)"],
+           [(epoch + 1, f"{our_history['loss'][epoch]:.6f}", f"{reference_history['loss'][epoch]:.6f}",
+             f"{our_history['acc'][epoch]:.4f}", f"{reference_history['acc'][epoch]:.4f}")
+            for epoch in range(3)])
+print("weights, max abs diff:", f"{check_close(weights_of(ours), weights_of(reference)).max_abs:.1e}")
+assert same_history(our_history, reference_history)
 
 # %% [markdown]
 # ## Takeaways
 #
-# * `g += _g` on a tensor rebinds a name; it never updates a list. Inside `tf.while_loop`
-#   only returned loop variables (or `Variable.assign_add`) carry values across iterations.
-# * A micro-batching `train_step` is exactly a big-batch step when each slice's loss is
-#   divided by k *on top of* Keras' own mean and 1/R scaling, and it needs no `tf.cond`:
-#   loop, sum, apply once, one all-reduce.
-# * Pass each slice's loss through `optimizer.scale_loss`, and the summed scaled gradients
-#   to `apply_gradients` once: the `LossScaleOptimizer` then decides, unscales, and halves
-#   its scale once per step.
-# * Split the batch you *receive* (`tf.shape(x)[0]`), not the `batch_size` you were given,
-#   and reject batches that don't split.
+# * `g += _g` on a tensor rebinds a name; it never updates a list. `tf.while_loop` runs
+#   its Python body once, to trace it: only returned loop variables (or
+#   `Variable.assign_add`) carry values across iterations.
+# * A micro-batching `train_step` is exactly a big-batch step when each micro-batch's
+#   loss is divided by k *on top of* Keras' own mean and 1/R scaling, and it needs no
+#   `tf.cond`: loop, sum, apply once, one all-reduce.
+# * Pass each micro-batch's loss through `optimizer.scale_loss`, and the summed scaled
+#   gradients to `apply_gradients` once: the `LossScaleOptimizer` then decides, unscales,
+#   and halves its scale once per step.
+# * Split the batch you *receive* (`tf.shape(x)[0]`), not the `batch_size` you were
+#   given, and reject batches that don't split (`MicroBatching` does).
 # * It saves activation memory, not time; the input batch must still fit.
+#
+# ## Exercises
+#
+# 1. In section 4, set `K = 8` (one example per micro-batch on each replica) and rerun the
+#    equivalence cell: do the assertions still hold? Then ask `check_micro_batches(
+#    GLOBAL_BATCH, 3, R)` what it makes of k = 3.
+# 2. Delete `/ k` in `FixedGradAccumModel.train_step`, rerun its cell and then
+#    `ours, _ = fit(strategy, OPTIMIZERS["sgd"], K, epochs=1)` and
+#    `plain, _ = fit(one_device, OPTIMIZERS["sgd"], epochs=1)`. Predict
+#    `update_ratio(updates(weights_of(ours), weights_of(tiny_model())),
+#    updates(weights_of(plain), weights_of(tiny_model())))` before you run it.
+# 3. Before running it, say which plain step the question's model matches with
+#    `grad_accum=2`, and with `grad_accum=16`. Check:
+#    `weight_diff(weights_of(one_step(question_model(), x16, y16, grad_accum=2)[0]),
+#    weights_of(one_step(tiny_model(), x16[:8], y16[:8])[0]))`.
 #
 # ## Further reading
 #
 # * Keras, *Customizing what happens in `fit()` with TensorFlow* (keras.io guide) and the
-#   installed `keras/src/backend/tensorflow/trainer.py` (`train_step`, `_make_function`).
+#   installed `keras/src/backend/tensorflow/trainer.py` (`train_step`, `_make_function`,
+#   the `compiled_loss` / `compiled_metrics` shims).
 # * `keras/src/losses/loss.py` (`scale_loss_for_distribution`) and
-#   `keras/src/optimizers/loss_scale_optimizer.py` (`_tf_apply`; introduced by
-#   keras-team/keras#18691 for keras-team/keras#18666).
-# * tensorflow/tensorflow#47578 and keras-team/keras#16633: gradient accumulation in
-#   `fit`; keras-team/keras#17429: why a `tf.cond` around `apply_gradients` in `train_step`
-#   fails under `MirroredStrategy` (`merge_call`).
+#   `keras/src/optimizers/loss_scale_optimizer.py` (`_tf_apply`).
+# * keras-team/keras#17429: a `tf.cond` around `apply_gradients` in `train_step` fails
+#   under `MirroredStrategy` (`merge_call`), the shape this lesson avoids.
 # * keras-team/keras#19308: Keras 3 always sums gradients inside the optimizer.

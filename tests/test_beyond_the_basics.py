@@ -47,6 +47,11 @@ def test_synchronized_batchnorm_recovers_the_big_batch_across_replicas(strategy2
     assert record.replicas_synchronized_bn.within()
 
 
+def test_layer_norm_accumulated_over_micro_batches_equals_the_big_batch(strategy2):
+    record = batchnorm_statistics.reproduce(strategy2)
+    assert record.accumulated_layer_norm.within()
+
+
 def test_batchnorm_on_one_replica_without_accumulation_is_the_big_batch(strategy1):
     record = batchnorm_statistics.reproduce(strategy1)
     assert record.replicas_plain_bn.max_abs == 0.0

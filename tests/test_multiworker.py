@@ -23,7 +23,7 @@ def test_free_ports_are_distinct():
 
 def test_bad_launcher_arguments_fail_before_starting_workers():
     with pytest.raises(ValueError, match="num_workers must be >= 1"):
-        run_workers(f"{EXPERIMENTS}:sync_and_equivalence", 0)
+        run_workers(f"{EXPERIMENTS}:train_on_worker", 0)
     with pytest.raises(ValueError, match="package.module:function"):
         run_workers("no_colon_here", 2)
 
@@ -42,24 +42,42 @@ def test_a_hanging_worker_is_killed_at_the_timeout(tmp_path):
 
 @pytest.fixture(scope="module")
 def adam_on_two_workers():
-    return run_workers(f"{EXPERIMENTS}:sync_and_equivalence", 2, timeout=180,
+    return run_workers(f"{EXPERIMENTS}:train_on_worker", 2, timeout=180,
                        optimizer="adam", steps=3)
 
 
 def test_two_workers_equal_one_device_with_one_all_reduce_per_step(adam_on_two_workers):
-    for result in adam_on_two_workers:
+    import numpy as np
+
+    from distgrad.lab.compare import OPTIMIZERS, check_close
+    from distgrad.lab.data import regression_data
+    from distgrad.lab.recipes import big_batch_reference
+    from distgrad.lab.workers import GLOBAL_BATCH
+
+    x, y = regression_data(GLOBAL_BATCH)
+    reference = big_batch_reference(OPTIMIZERS["adam"], x, y, steps=3)
+    for task_index, result in enumerate(adam_on_two_workers):
         assert result.ok, result.stderr_tail
         value = result.value
+        assert value["tf_config"]["task"] == {"type": "worker", "index": task_index}
+        assert value["task"] == ["worker", task_index]  # the strategy read TF_CONFIG
         assert value["replicas"] == 2
-        assert len(value["local_devices"]) == 1
+        assert [d.rsplit("/", 1)[-1] for d in value["local_devices"]] == ["device:CPU:0"]
         assert value["collective_op_types"] == {"CollectiveReduceV2": 1}
         assert value["iterations"] == 3
-        assert value["max_abs_diff_vs_one_device"] <= 1e-6
+        check_close([np.asarray(w) for w in value["weights"]], reference)
 
 
 def test_mwms_on_cpu_still_uses_merge_call(adam_on_two_workers):
     # _use_merge_call() is False only for XLA-compiled steps on all-GPU devices.
     assert all(r.value["supports_no_merge_call"] is False for r in adam_on_two_workers)
+
+
+def test_a_strategy_created_after_the_runtime_started_is_refused():
+    (result,) = run_workers(f"{EXPERIMENTS}:strategy_after_runtime_start", 1, timeout=120)
+    assert result.ok, result.stderr_tail
+    assert result.value["error"] == {"type": "RuntimeError",
+                                     "message": "Collective ops must be configured at program startup"}
 
 
 def test_cond_around_apply_gradients_raises_the_merge_call_error_on_mwms_cpu():

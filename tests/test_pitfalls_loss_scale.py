@@ -10,7 +10,6 @@ from distgrad.lab.compare import check_close, check_not_close, weight_diff
 from distgrad.lab.data import tiny_model
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
-from distgrad.pitfalls.mask_trick import SeedAccumulationPatch
 
 S = mixed.DEFAULT_INITIAL_SCALE  # 2**15, LossScaleOptimizer's default initial scale
 C = mixed.CONTROLLED_INITIAL_SCALE  # where the controlled experiments start
@@ -46,7 +45,7 @@ def spied(strategy2):
 def test_patch_on_the_wrapper_runs_per_replica_on_scaled_float32_partial_gradients(spied):
     record = spied["loss_scale_optimizer"]
     for step in (1, 2):
-        calls = record.of("SeedAccumulationPatch.apply_gradients", step)
+        calls = record.of("QuestionMaskPatch.apply_gradients", step)
         assert sorted(c.replica for c in calls) == [0, 1]
         assert {c.context for c in calls} == {"replica"}
         assert {c.dtypes for c in calls} == {("float32",)}
@@ -73,7 +72,7 @@ def test_patch_on_the_wrapper_hands_it_zeros_then_the_scaled_sum(spied):
 
 def test_patch_on_the_inner_optimizer_never_runs_in_keras3(spied):
     record = spied["inner_optimizer"]
-    assert record.count("SeedAccumulationPatch.apply_gradients") == 0
+    assert record.count("QuestionMaskPatch.apply_gradients") == 0
     assert record.count("SGD.apply_gradients") == 0  # the wrapper calls inner.apply
     for step in (1, 2):
         assert all(c.scale_seen == pytest.approx(S, rel=1e-2)
@@ -152,9 +151,10 @@ def test_compile_under_mixed_float16_adds_the_same_wrapper_by_itself(strategy1):
         assert model.optimizer.initial_scale == S
 
 
-def test_seed_patch_and_patch_optimizer_refuse_bad_arguments(strategy1):
+def test_patch_optimizer_refuses_bad_arguments(strategy1):
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
-        SeedAccumulationPatch(0, None, [])
+        lsp.patch_optimizer(keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+                            0, [])
     with pytest.raises(TypeError, match="expects a keras.mixed_precision.LossScaleOptimizer"):
         lsp.patch_optimizer(keras.optimizers.SGD(0.1), 2, [])
     lso = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))

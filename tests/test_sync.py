@@ -8,7 +8,14 @@ from distgrad.lab.compare import OPTIMIZERS, check_close
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.recipes import big_batch_reference, make_replica_step, replica_loss, run_steps
 from distgrad.lab.spy import record_sync_path, summarize_path
-from distgrad.pitfalls import clip_before_sync, double_sum, per_replica_mean
+from distgrad.pitfalls import (
+    clip_before_sync,
+    double_sum,
+    last_batch_scaling,
+    loss_object_scaling,
+    per_replica_mean,
+    regularization_scaling,
+)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -118,3 +125,50 @@ def test_bad_arguments_are_rejected(strategy2):
     with pytest.raises(ValueError, match="steps must be >= 1"):
         run_steps(strategy2, lambda: keras.optimizers.SGD(0.1), x[:14], y[:14],
                   make_replica_step(14), steps=0)
+
+
+def test_keras3_loss_object_divides_its_mean_by_the_replica_count(strategy2):
+    record = loss_object_scaling.reproduce(strategy2)
+    assert record.reduce_mean == (1.0, 1.0)
+    assert record.loss_object == (0.5, 0.5)  # mean / R inside strategy.run
+    assert record.loss_object == record.compute_average_loss  # == sum / global batch
+    assert record.loss_object_cross_replica_in_scope == 0.5  # the strategy in scope decides
+    assert record.loss_object_without_strategy == 1.0
+    assert record.reduction_none_sum == (8.0, 8.0)  # reduction=None: unscaled per example
+
+
+def test_keras3_loss_object_is_a_plain_mean_on_one_replica(strategy1):
+    record = loss_object_scaling.reproduce(strategy1)
+    assert record.loss_object == (1.0,) and record.loss_object_cross_replica_in_scope == 1.0
+
+
+def test_unscaled_regularization_is_applied_once_per_replica(strategy2):
+    record = regularization_scaling.reproduce(strategy2)
+    assert record.scaled_vs_one_device.within()
+    assert not record.unscaled_vs_one_device.within()
+    # the excess is the penalty's SGD step, (R - 1) = 1 extra time
+    assert record.excess_vs_expected.within()
+    assert record.excess_ratio == pytest.approx(1.0, rel=1e-4)
+    assert "cross replica context" in record.cross_replica_error
+
+
+def test_last_batch_needs_its_real_example_count(strategy2):
+    rows = {(r.examples, r.scaling): r for r in last_batch_scaling.reproduce(strategy2, 16)}
+    assert rows[8, "counted"].per_replica == (4, 4) and rows[7, "counted"].per_replica == (4, 3)
+    assert rows[8, "fixed"].ratio == pytest.approx(8 / 16, rel=1e-6)
+    assert rows[7, "fixed"].ratio == pytest.approx(7 / 16, rel=1e-6)
+    assert rows[8, "per_replica_times_r"].vs_one_device.within()
+    assert not rows[7, "per_replica_times_r"].vs_one_device.within()
+    assert rows[8, "counted"].vs_one_device.within() and rows[7, "counted"].vs_one_device.within()
+
+
+def test_tf_keras_optimizers_clip_after_the_all_reduce():
+    record = clip_before_sync.reproduce_legacy(replicas=2)
+    assert record.replicas == 2 and record.tf_keras.startswith("2.")
+    assert set(record.max_abs) == {(name, option) for name in ("SGD", "legacy.SGD")
+                                   for option in ("global_clipnorm", "clipnorm")}
+    for key, diff in record.max_abs.items():
+        assert record.within(*key), (key, diff)
+        assert record.update_max_abs[key] > 1e3 * diff
+    # every gradient is above the threshold, so every run really clipped
+    assert min(record.full_gradient_norm, *record.per_replica_gradient_norms) > record.clip_norm

@@ -150,7 +150,7 @@ def test_mixin_works_for_subclassed_models_and_leaves_unconnected_weights_alone(
             model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         return initial, weights_of(model)
 
-    initial, micro = run(MicroBatchedTwoHeads, micro_batches=4)
+    initial, micro = run(MicroBatchedTwoHeads, accumulation_steps=4)
     _, plain = run(TwoHeads)
     check_close(micro, plain)
     # the unused head's kernel and bias (last two weights) did not move

@@ -4,7 +4,9 @@
 worker on localhost (`distgrad.lab.child.Child`: one process, one result protocol),
 each with its own `TF_CONFIG` (ports picked free at run time), calls
 `function(task_index=i, num_workers=n, **kwargs)` in every worker and returns every
-worker's `ChildResult`. Every process it starts is killed (its whole process group)
+worker's `ChildResult`. The workers share one machine, so each is given its CPU only
+(`CUDA_VISIBLE_DEVICES=""` unless `env` sets it): one replica per worker, and no two
+processes competing for one GPU. Every process it starts is killed (its whole process group)
 when it returns, on timeout and on error: a worker never outlives the call.
 
 A worker function must create the strategy itself, first thing:
@@ -23,6 +25,7 @@ import time
 from distgrad.lab.child import Child, ChildResult, check_timeout, resolve
 
 DEFAULT_TIMEOUT_S = 240.0
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def free_ports(count: int) -> list[int]:
@@ -53,7 +56,8 @@ def run_workers(target: str, num_workers: int = 2, timeout: float = DEFAULT_TIME
     """Run `target(task_index=i, num_workers=num_workers, **kwargs)` in each local worker.
 
     Returns one `ChildResult` per worker, in task order (`ok`, `value`, `error`,
-    `returncode`, `stderr_tail`). `env` is added to every worker's environment.
+    `returncode`, `stderr_tail`). Every worker's environment gets `TF_CONFIG`,
+    `CUDA_VISIBLE_DEVICES=""` (CPU only; `env` may override it) and `env`.
 
     Raises:
         ValueError: `num_workers` < 1, a malformed target or a non-positive timeout.
@@ -72,7 +76,7 @@ def run_workers(target: str, num_workers: int = 2, timeout: float = DEFAULT_TIME
         for index in range(num_workers):
             workers.append(Child(
                 target, {"task_index": index, "num_workers": num_workers, **kwargs},
-                env={**(env or {}), "TF_CONFIG": tf_config(ports, index)}))
+                env={**CPU_ONLY, **(env or {}), "TF_CONFIG": tf_config(ports, index)}))
         deadline = time.monotonic() + timeout
         while not all(w.poll() for w in workers):
             if time.monotonic() > deadline:

@@ -2,9 +2,11 @@
 
 Each takes `(task_index, num_workers, **options)`, creates its
 `MultiWorkerMirroredStrategy` first (before other TensorFlow work) and returns a small
-JSON-serializable dict. Worker w trains on the w-th contiguous slice of the global
-batch, so the workers together see exactly the batch one device sees. `optimizer`
-options name an entry of `distgrad.lab.compare.OPTIMIZERS`.
+JSON-serializable dict. `train_on_worker` is the one the lesson shows: written out, with
+a `tf.data` pipeline per worker. The others feed worker w the w-th contiguous slice of
+the global batch as a tensor (one replica per worker, as `run_workers` starts them), so
+the workers together see exactly the batch one device sees. `optimizer` options name an
+entry of `distgrad.lab.compare.OPTIMIZERS`.
 """
 
 from __future__ import annotations
@@ -33,45 +35,84 @@ def _shard(task_index: int, num_workers: int, examples: int = GLOBAL_BATCH):
     return x, y, x[lo:hi], y[lo:hi]
 
 
-def sync_and_equivalence(task_index: int, num_workers: int, optimizer: str = "sgd",
-                         steps: int = 2, collective_timeout: float = 60.0) -> dict:
-    """Plain `apply_gradients` on MWMS: where it syncs, and equality with one device."""
-    strategy = make_worker_strategy(collective_timeout)
+def train_on_worker(task_index: int, num_workers: int, optimizer: str = "adam",
+                    steps: int = 3) -> dict:
+    """Lesson 06's worker: `steps` steps of the replica step of lesson 01 on MWMS.
+
+    The cluster comes from `TF_CONFIG` (`run_workers` sets it); every worker builds the
+    same model, feeds its shard of the same global batch of GLOBAL_BATCH examples, and
+    the optimizer's SUM all-reduce joins the replicas of all workers. Returns the
+    `TF_CONFIG` it read, what the strategy made of it, the collective ops of the traced
+    step, and the weights (compared with one device by the caller).
+    """
+    import json
+    import os
+
     import tensorflow as tf
 
-    from distgrad.lab.compare import weight_diff, weights_of
-    from distgrad.lab.data import tiny_model
-    from distgrad.lab.graph import count_collectives
-    from distgrad.lab.recipes import big_batch_reference, make_replica_step
+    # First, before other TensorFlow work: reads TF_CONFIG, starts this worker's server.
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(
+            timeout_seconds=60))  # a lost peer fails the all-reduce instead of hanging
 
-    make_optimizer = _optimizer(optimizer)
-    with strategy.scope():
-        model, opt = tiny_model(), make_optimizer()
+    from distgrad.lab.compare import OPTIMIZERS
+    from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
+    from distgrad.lab.graph import count_collectives
+
+    with strategy.scope():  # mirrored variables: one copy per replica of every worker
+        model = tiny_model()
+        opt = OPTIMIZERS[optimizer]()
         opt.build(model.trainable_variables)
-        no_merge_call = bool(tf.__internal__.distribute.strategy_supports_no_merge_call())
-    x, y, x_local, y_local = _shard(task_index, num_workers)
-    replica_step = make_replica_step(GLOBAL_BATCH)
+
+    def dataset_fn(context):  # called once per worker: its shard, in per-replica batches
+        x, y = regression_data(GLOBAL_BATCH)
+        return (tf.data.Dataset.from_tensor_slices((x, y))
+                .shard(context.num_input_pipelines, context.input_pipeline_id)
+                .batch(context.get_per_replica_batch_size(GLOBAL_BATCH))
+                .repeat())
+
+    batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = per_example_squared_error(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        # The sync point: a SUM all-reduce over every replica of every worker.
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
 
     @tf.function
-    def step(xb, yb):
-        return strategy.run(replica_step, args=(model, opt, xb, yb))
+    def train_step(iterator):
+        return strategy.run(replica_step, args=next(iterator))
 
     for _ in range(steps):
-        step(tf.constant(x_local), tf.constant(y_local))
+        train_step(batches)
     with strategy.scope():
-        collectives = count_collectives(step, tf.constant(x_local), tf.constant(y_local))
-    reference = big_batch_reference(make_optimizer, x, y, steps=steps)
-    diff = weight_diff(weights_of(model), reference)
+        collectives = count_collectives(train_step, batches)
+        no_merge_call = bool(tf.__internal__.distribute.strategy_supports_no_merge_call())
     return {
+        "tf_config": json.loads(os.environ["TF_CONFIG"]),
+        "task": [strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id],
         "replicas": strategy.num_replicas_in_sync,
         "local_devices": list(strategy.extended.worker_devices),
-        "supports_no_merge_call": no_merge_call,
         "collective_op_types": collectives.op_types,
-        "all_reduces_per_step": collectives.all_reduce_ops,  # one replica per worker
+        "supports_no_merge_call": no_merge_call,
         "iterations": int(opt.iterations.numpy()),
-        "max_abs_diff_vs_one_device": diff.max_abs,
-        "max_rel_diff_vs_one_device": diff.max_rel,
+        "weights": [w.numpy() for w in model.weights],
     }
+
+
+def strategy_after_runtime_start(task_index: int, num_workers: int) -> dict:
+    """Run one eager op, then create MWMS: the error a strategy created too late gets."""
+    import tensorflow as tf
+
+    tf.constant(1.0) + 1.0  # any eager op starts TensorFlow's runtime
+    try:
+        tf.distribute.MultiWorkerMirroredStrategy()
+        return {"error": None}
+    except RuntimeError as err:
+        return {"error": {"type": type(err).__name__, "message": str(err)}}
 
 
 def cond_around_apply(task_index: int, num_workers: int, collective_timeout: float = 30.0) -> dict:

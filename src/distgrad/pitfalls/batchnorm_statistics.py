@@ -6,7 +6,8 @@ each forward pass sees B/k. Both change the function being differentiated, so no
 gradient bookkeeping can make them equal to the big batch. Across replicas,
 `BatchNormalization(synchronized=True)` all-reduces the statistics and recovers the
 big-batch step; across *sequential* micro-batches nothing can, because the statistics
-of later micro-batches don't exist yet when the first one runs.
+of later micro-batches don't exist yet when the first one runs. `LayerNormalization`
+normalizes each example by itself: accumulating it is exact (`accumulated_layer_norm`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,22 @@ def batchnorm_model(features: int = 4, hidden: int = 8, synchronized: bool = Fal
     ])
 
 
-def accumulated_on_one_device(x, y, micro_batches: int, learning_rate: float = 0.1):
-    """Weights after one SGD update from `micro_batches` accumulated micro-batches."""
-    model = batchnorm_model()
+def layernorm_model(features: int = 4, hidden: int = 8, seed: int = 0):
+    """`batchnorm_model` with `LayerNormalization` in place of `BatchNormalization`."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(hidden, kernel_initializer=init(seed=seed)),
+        keras.layers.LayerNormalization(),
+        keras.layers.Activation("tanh"),
+        keras.layers.Dense(1, kernel_initializer=init(seed=seed + 1)),
+    ])
+
+
+def accumulated_on_one_device(x, y, micro_batches: int, learning_rate: float = 0.1,
+                              model_factory=batchnorm_model):
+    """The model after one SGD update from `micro_batches` accumulated micro-batches."""
+    model = model_factory()
     optimizer = keras.optimizers.SGD(learning_rate)
     optimizer.build(model.trainable_variables)
     total = None
@@ -52,13 +66,18 @@ def accumulated_on_one_device(x, y, micro_batches: int, learning_rate: float = 0
 
 @dataclasses.dataclass(frozen=True)
 class BatchNormRecord:
-    """Trainable-weight differences from one device on the full batch, after one SGD step."""
+    """Trainable-weight differences from one device on the full batch, after one SGD step.
+
+    `accumulated_layer_norm`: the same accumulation with `LayerNormalization`, against
+    its own big-batch step.
+    """
 
     replicas: int
     replicas_plain_bn: WeightDiff
     replicas_synchronized_bn: WeightDiff
     accumulated_micro_batches: WeightDiff
     one_device_update_max_abs: float
+    accumulated_layer_norm: WeightDiff
 
 
 def reproduce(strategy, micro_batches: int = 2, examples: int = 16,
@@ -81,6 +100,7 @@ def reproduce(strategy, micro_batches: int = 2, examples: int = 16,
     synced = run_steps(strategy, sgd, x, y, step, model_factory=synced_factory)
     accumulated = accumulated_on_one_device(x, y, micro_batches, learning_rate)
     initial = trainable(reference_model, weights_of(batchnorm_model()))
+    layer_norm = accumulated_on_one_device(x, y, micro_batches, learning_rate, layernorm_model)
     return BatchNormRecord(
         replicas=strategy.num_replicas_in_sync,
         replicas_plain_bn=weight_diff(trainable(batchnorm_model, plain.final), reference),
@@ -88,4 +108,6 @@ def reproduce(strategy, micro_batches: int = 2, examples: int = 16,
         accumulated_micro_batches=weight_diff(
             [v.numpy() for v in accumulated.trainable_weights], reference),
         one_device_update_max_abs=float(max(np.abs(a - b).max() for a, b in zip(reference, initial))),
+        accumulated_layer_norm=weight_diff(
+            weights_of(layer_norm), big_batch_reference(sgd, x, y, model_factory=layernorm_model)),
     )

@@ -4,8 +4,8 @@ tf-keras only: this module is imported in a `distgrad.lab.legacy.run_legacy` chi
 where `TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package;
 `distgrad.pitfalls.loss_scale_patch.legacy_reproduction` runs `run_scenarios` there.
 `GradientAccumulationPatch` is the question's patch (tensorflow/tensorflow#50454) for
-tf-keras, as the user ran it; `loss_scale_patch.SeedAccumulationPatch` is the Keras 3
-copy. `SeedModel.train_step` is the question's (`get_scaled_loss` /
+tf-keras, as the user ran it; `mask_trick.QuestionMaskPatch` is the Keras 3
+copy. `QuestionModel.train_step` is the question's (`get_scaled_loss` /
 `get_unscaled_gradients` by hand), with the era's `OptimizerV2` or tf-keras' newer
 optimizer inside `tf.keras.mixed_precision.LossScaleOptimizer`.
 """
@@ -81,7 +81,7 @@ class GradientAccumulationPatch:
         return tf.equal(count_mod_steps, 0)
 
 
-class SeedModel(keras.Model):
+class QuestionModel(keras.Model):
     """The question's train_step: get_scaled_loss / get_unscaled_gradients by hand."""
 
     def __init__(self):
@@ -135,7 +135,7 @@ class _Trajectory(keras.callbacks.Callback):
 def _one_scenario(strategy, x_all, scenario, n, initial_scale) -> dict:
     y_all = np.array(scenario["y"], np.float32)
     with strategy.scope():
-        model = SeedModel()
+        model = QuestionModel()
         model.build((None, x_all.shape[1]))
         if scenario["generation"] == "legacy":
             inner = keras.optimizers.legacy.SGD(scenario["learning_rate"])
@@ -180,7 +180,7 @@ def _one_scenario(strategy, x_all, scenario, n, initial_scale) -> dict:
 
 def run_scenarios(replicas: int, x, scenarios, accumulation_steps: int,
                   initial_scale: float) -> list[dict]:
-    """Fit a fresh `SeedModel` under `mixed_float16` per scenario; one dict each.
+    """Fit a fresh `QuestionModel` under `mixed_float16` per scenario; one dict each.
 
     A scenario is a dict: `name`, `generation` ("legacy": `OptimizerV2` SGD; "v3":
     tf-keras' newer SGD), `target` ("loss_scale_optimizer", "inner_optimizer" or

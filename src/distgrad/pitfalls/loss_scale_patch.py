@@ -5,7 +5,7 @@ an optimizer's `apply_gradients` with an accumulator that always calls the origi
 with `accumulated * apply` (apply = 0 or 1) and resets with `accumulated * keep`
 (keep = 1 - apply). Under `mixed_float16` the optimizer was a `LossScaleOptimizer`;
 patching it "did nothing", and patching its `inner_optimizer` "does not work either".
-`distgrad.pitfalls.mask_trick.SeedAccumulationPatch` is that accumulator, line for line
+`distgrad.pitfalls.mask_trick.QuestionMaskPatch` is that accumulator as posted
 (lesson 03 shows it is no accumulation for stateful optimizers).
 
 What actually happens (read from the installed source, shown by `spy_patched_fit`
@@ -53,19 +53,21 @@ from distgrad.lab.mixed import (
 )
 from distgrad.lab.spy import GradientSpy, SpyRecord, flat
 from distgrad.pitfalls import CapturedError
-from distgrad.pitfalls.mask_trick import SeedAccumulationPatch
+from distgrad.pitfalls.mask_trick import QuestionMaskPatch, check_steps
 
 TARGETS = ("loss_scale_optimizer", "inner_optimizer", "none")
 GENERATIONS = ("legacy", "v3")
 
 
 def patch_optimizer(optimizer, n: int, trainable_variables, target: str = "loss_scale_optimizer"):
-    """Install a `SeedAccumulationPatch` the way the question did; returns the patch.
+    """Install a `QuestionMaskPatch` the way the question did; returns the patch.
 
     `target="loss_scale_optimizer"` replaces `optimizer.apply_gradients` on the
     wrapper instance; `"inner_optimizer"` replaces `optimizer.inner_optimizer.
-    apply_gradients`. Raises ValueError for another target and TypeError when
-    `optimizer` is not a `keras.mixed_precision.LossScaleOptimizer`.
+    apply_gradients`. Raises ValueError for another target or an `n` that is not an
+    integer >= 1, and TypeError when `optimizer` is not a
+    `keras.mixed_precision.LossScaleOptimizer`. Lesson 04 writes the same installation
+    in its own cells and passes it as `install=` to the functions below.
     """
     if target not in TARGETS[:2]:
         raise ValueError(f"target must be one of {TARGETS[:2]}, got {target!r}.")
@@ -74,7 +76,7 @@ def patch_optimizer(optimizer, n: int, trainable_variables, target: str = "loss_
             "patch_optimizer expects a keras.mixed_precision.LossScaleOptimizer (wrap the "
             f"optimizer first), got {type(optimizer).__name__}.")
     patched = optimizer if target == "loss_scale_optimizer" else optimizer.inner_optimizer
-    patch = SeedAccumulationPatch(n, patched.apply_gradients, trainable_variables)
+    patch = QuestionMaskPatch(check_steps(n), patched.apply_gradients, trainable_variables)
     patched.apply_gradients = patch.apply_gradients
     return patch
 
@@ -84,7 +86,7 @@ def patch_optimizer(optimizer, n: int, trainable_variables, target: str = "loss_
 
 # (module, class, method, how to find the gradients in the call's arguments)
 SPIED_METHODS = (
-    ("distgrad.pitfalls.mask_trick", "SeedAccumulationPatch", "apply_gradients", "pairs"),
+    ("distgrad.pitfalls.mask_trick", "QuestionMaskPatch", "apply_gradients", "pairs"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer", "apply_gradients", "pairs"),
     ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", "apply", "list"),
     ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", "check_finite", "list"),
@@ -100,10 +102,12 @@ SPIED_METHODS = (
 
 
 def compile_patched(strategy, target, accumulation_steps, learning_rate, wrapper=None,
-                     initial_scale=DEFAULT_INITIAL_SCALE):
+                    initial_scale=DEFAULT_INITIAL_SCALE, install=None):
     """A `tiny_model` compiled with `wrapper(SGD)` (default Keras' LossScaleOptimizer),
-    the question's patch on `target` ("none": no patch); returns (model, optimizer,
-    patch or None). Call under a mixed_float16 policy."""
+    the question's patch on `target` ("none": no patch) installed by
+    `install(optimizer, n, trainable_variables, target)` (default `patch_optimizer`);
+    returns (model, optimizer, patch or None). Call under a mixed_float16 policy."""
+    install = install or patch_optimizer
     wrapper = wrapper or keras.mixed_precision.LossScaleOptimizer
     with strategy.scope():
         model = tiny_model()
@@ -111,8 +115,7 @@ def compile_patched(strategy, target, accumulation_steps, learning_rate, wrapper
         optimizer = wrapper(keras.optimizers.SGD(learning_rate), initial_scale=initial_scale)
         patch = None
         if target != "none":
-            patch = patch_optimizer(optimizer, accumulation_steps, model.trainable_variables,
-                                    target)
+            patch = install(optimizer, accumulation_steps, model.trainable_variables, target)
         model.compile(optimizer=optimizer, loss="mse")
     return model, optimizer, patch
 
@@ -127,7 +130,7 @@ def _local_reference_gradient(x_shard, y_shard, replicas):
 
 
 def spy_patched_fit(strategy, target: str, accumulation_steps: int = 2,
-                    micro_batch_per_replica: int = 4) -> SpyRecord:
+                    micro_batch_per_replica: int = 4, install=None) -> SpyRecord:
     """Run `accumulation_steps` micro-batches of `model.fit` under `mixed_float16` with
     the question's patch on `target`, and record every executed spied call.
 
@@ -137,7 +140,8 @@ def spy_patched_fit(strategy, target: str, accumulation_steps: int = 2,
     gradient to one replica's float32 unscaled contribution `g`: about `loss_scale` for
     scaled partial gradients, 1 for unscaled ones, `k * loss_scale` for k accumulated
     scaled ones, `replicas` after the SUM all-reduce, 0 for the zeroed "don't apply"
-    calls. The data are small enough that no micro-batch overflows.
+    calls. The data are small enough that no micro-batch overflows. `install` as in
+    `compile_patched`.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}.")
@@ -153,7 +157,8 @@ def spy_patched_fit(strategy, target: str, accumulation_steps: int = 2,
             spy.step = batch + 1
 
     with mixed_precision_policy("mixed_float16"), spy.installed():
-        model, optimizer, _ = compile_patched(strategy, target, accumulation_steps, 0.0)
+        model, optimizer, _ = compile_patched(strategy, target, accumulation_steps, 0.0,
+                                              install=install)
         model.fit(xs, ys, batch_size=replicas * micro_batch_per_replica, epochs=1,
                   shuffle=False, verbose=0, callbacks=[StepCounter()])
     scale = float(optimizer.dynamic_scale.numpy())
@@ -188,25 +193,46 @@ class PatchedFitOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class PatchedFitRecord(PatchedFitOutcome):
-    """`reproduce`'s outcome (Keras 3), with the run's settings."""
+    """`reproduce`'s outcome (Keras 3), with the run's settings, and
+    `accumulator_states[t]`: "nan" if any copy of the patch's accumulators holds a nan
+    after micro-batch t+1, else "inf" if any holds an inf, else "finite" (None without
+    a patch)."""
 
     target: str
     replicas: int
     accumulation_steps: int
     overflow_step: int | None
+    accumulator_states: tuple[str, ...] | None
+
+
+def accumulator_state(strategy, accumulators) -> str:
+    """"nan", "inf" or "finite": the worst value in any replica's copy of `accumulators`."""
+    copies = [np.asarray(c) for v in accumulators for c in strategy.experimental_local_results(v)]
+    if any(np.isnan(c).any() for c in copies):
+        return "nan"
+    return "inf" if any(np.isinf(c).any() for c in copies) else "finite"
+
+
+class _AccumulatorStates(keras.callbacks.Callback):
+    def __init__(self, strategy, patch):
+        super().__init__()
+        self.strategy, self.patch, self.states = strategy, patch, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.states.append(accumulator_state(self.strategy, self.patch.accu_gradients))
 
 
 def reproduce(strategy, target: str = "loss_scale_optimizer", micro_batches: int = 6,
               accumulation_steps: int = 2, overflow_step: int | None = 1,
               micro_batch_per_replica: int = 4, learning_rate: float = 0.1,
               overflow_replicas=None, wrapper=None,
-              initial_scale: float = CONTROLLED_INITIAL_SCALE) -> PatchedFitRecord:
+              initial_scale: float = CONTROLLED_INITIAL_SCALE, install=None) -> PatchedFitRecord:
     """Graph-mode `model.fit` under `mixed_float16` with the question's patch on `target`
     ("none": the stock wrapper, no patch, no accumulation); one micro-batch per step,
     shuffle off. `overflow_step` puts an overflowing example into the shard of every
     replica in `overflow_replicas` (default: all) of that micro-batch (None: no
     overflow). `wrapper` is the loss-scale optimizer class (default Keras' own),
-    `initial_scale` its initial loss scale."""
+    `initial_scale` its initial loss scale, `install` as in `compile_patched`."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}.")
     replicas = strategy.num_replicas_in_sync
@@ -215,20 +241,24 @@ def reproduce(strategy, target: str = "loss_scale_optimizer", micro_batches: int
                          overflow_replicas)
     with mixed_precision_policy("mixed_float16"):
         model, _, patch = compile_patched(strategy, target, accumulation_steps, learning_rate,
-                                           wrapper=wrapper, initial_scale=initial_scale)
+                                          wrapper=wrapper, initial_scale=initial_scale,
+                                          install=install)
         initial = weights_of(model)
         trajectory = LossScaleTrajectory()
+        callbacks = [trajectory]
+        if patch is not None:
+            states = _AccumulatorStates(strategy, patch)
+            callbacks.append(states)
         model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[trajectory])
+                  callbacks=callbacks)
     final = weights_of(model)
     accumulators_finite = None
     if patch is not None:
-        accumulators_finite = all(
-            np.all(np.isfinite(np.asarray(copy)))
-            for v in patch.accu_gradients for copy in strategy.experimental_local_results(v))
+        accumulators_finite = accumulator_state(strategy, patch.accu_gradients) == "finite"
     return PatchedFitRecord(
         target=target, replicas=replicas, accumulation_steps=accumulation_steps,
         overflow_step=overflow_step,
+        accumulator_states=None if patch is None else tuple(states.states),
         patch_calls=None if patch is None else int(patch.calls.numpy()),
         loss_scales=tuple(trajectory.scales), iterations=tuple(trajectory.iterations),
         weight_changes=tuple(trajectory.weight_changes),
@@ -252,8 +282,8 @@ def accumulated_reference(strategy, micro_batches: int = 6, accumulation_steps: 
     # example, so consecutive micro-batches simply become one big batch.
     with mixed_precision_policy("mixed_float16"):
         model, _, _ = compile_patched(strategy, "none", accumulation_steps,
-                                       learning_rate * accumulation_steps,
-                                       initial_scale=initial_scale)
+                                      learning_rate * accumulation_steps,
+                                      initial_scale=initial_scale)
         model.fit(x, y, batch_size=global_batch * accumulation_steps, epochs=1,
                   shuffle=False, verbose=0)
     return weights_of(model)

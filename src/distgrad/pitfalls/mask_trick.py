@@ -18,9 +18,9 @@ flow. But it is not accumulation:
 * the all-reduce inside `apply_gradients` runs every micro-step: k all-reduces per
   update instead of 1.
 
-The patch itself is `SeedAccumulationPatch` (the question's code, line for line;
-lesson 04 runs it under mixed precision), fed with gradients divided by k so that, where it works, it averages the
-micro-batches like one big batch.
+The patch itself is `QuestionMaskPatch` (the question's code as posted, plus a call
+counter; lesson 04 runs it under mixed precision). `patch_with_mask` feeds it gradients
+divided by k so that, where it works, it averages the micro-batches like one big batch.
 """
 
 from __future__ import annotations
@@ -40,34 +40,37 @@ from distgrad.optimizer import AccumulatingOptimizer
 # -- the mask trick -------------------------------------------------------------------
 
 
-class SeedAccumulationPatch:
-    """The question's `_GradientAccumulationPatch` ("the more complicated path"), Keras 3.
+class QuestionMaskPatch:
+    """The question's `_GradientAccumulationPatch` ("the more complicated path"), as posted.
 
     Every call: count the step, add the gradients into `accu_gradients`, call the
     original `apply_gradients` with `accu_gradients * apply` (apply = 1 on every
-    `n`-th call, else 0), then reset with `accu_gradients * keep`. `calls` counts how
-    often the patched method actually ran (a variable, so it counts executions of a
-    traced step, not traces). Create it where the question did: after the model is
-    built, under the strategy scope (the accumulators are then `MirroredVariable`s
-    that every replica updates locally).
+    `n`-th call, else 0), then reset with `accu_gradients * keep`. Verbatim but for
+    one addition, marked: `calls` counts how often the patched method ran (a
+    variable, so it counts executions of a traced step, not traces). Like the
+    question's, it returns None and validates nothing (`check_steps` does, for the
+    installers). Create it where the question did: after the model is built, under
+    the strategy scope (the accumulators are then `MirroredVariable`s with aggregation
+    NONE, which every replica updates locally).
     """
 
     def __init__(self, n: int, orig_apply_gradients, trainable_variables):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}.")
         self.n = tf.constant(n, dtype=tf.int64)
-        policy = keras.mixed_precision.global_policy()
+        policy = tf.keras.mixed_precision.global_policy()
         self.variable_dtype = policy.variable_dtype
         self.accu_gradients = [
-            tf.Variable(tf.zeros(g.shape, dtype=g.dtype), trainable=False)
-            for g in trainable_variables
+            tf.Variable(
+                tf.zeros(g.shape, dtype=g.dtype),
+            ) for g in trainable_variables
         ]
-        self._current_step = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self.calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+        self._current_step = tf.Variable(0, dtype=tf.int64)
+        self.calls = tf.Variable(0, dtype=tf.int64)  # not in the question
         self._orig_apply_gradients = orig_apply_gradients
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        self.calls.assign_add(1)
+        self.calls.assign_add(1)  # not in the question
+
         can_apply = self._can_apply_on_next_step()
         # 1.0 whenever we want to apply gradients; 0.0 otherwise
         apply = tf.cast(can_apply, dtype=self.variable_dtype)
@@ -85,28 +88,39 @@ class SeedAccumulationPatch:
         # Multiply each gradient with our apply-signal
         final_gradients = [grad * apply for grad in self.accu_gradients]
 
-        result = self._orig_apply_gradients(
-            zip(final_gradients, trainable_variables), *args, **kwargs)
+        self._orig_apply_gradients(zip(final_gradients, trainable_variables), *args, **kwargs)
 
         # This will reset our buffer whenever "keep" is 0.0
         for g in self.accu_gradients:
             g.assign(g * keep)
-        return result
 
     def _can_apply_on_next_step(self):
+        """
+        :return: True if gradients should be applied; False otherwise.
+        """
+        # Increment (always do this first)
         self._current_step.assign_add(1)
         count_mod_steps = tf.math.mod(self._current_step, self.n)
         return tf.equal(count_mod_steps, 0)
 
 
-def patch_with_mask(optimizer, steps: int, trainable_variables) -> SeedAccumulationPatch:
+def check_steps(n) -> int:
+    """`n` if it is an integer >= 1 (a bool is not); ValueError otherwise."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}.")
+    return n
+
+
+def patch_with_mask(optimizer, steps: int, trainable_variables) -> QuestionMaskPatch:
     """Replace `optimizer.apply_gradients` by the mask patch; returns the patch.
 
-    Gradients are divided by `steps` before they reach the seed patch, so an applied
-    accumulation is the mean over the micro-batches. Call under the strategy scope,
-    after the model is built (the question did the same).
+    Gradients are divided by `steps` before they reach the question's patch, so an
+    applied accumulation is the mean over the micro-batches. Call under the strategy
+    scope, after the model is built (the question did the same). ValueError unless
+    `steps` is an integer >= 1.
     """
-    patch = SeedAccumulationPatch(steps, optimizer.apply_gradients, trainable_variables)
+    patch = QuestionMaskPatch(check_steps(steps), optimizer.apply_gradients,
+                              trainable_variables)
 
     def apply_gradients(grads_and_vars, *args, **kwargs):
         averaged = [(g / steps, v) for g, v in grads_and_vars]

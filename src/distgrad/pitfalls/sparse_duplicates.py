@@ -42,22 +42,26 @@ def _train_embedding(tokens, form: str, optimizer_factory, steps: int, vocab: in
 
 @dataclasses.dataclass(frozen=True)
 class SparseDenseRecord:
-    """Max abs weight difference sparse-vs-dense and deduplicated-vs-dense, and which rows differ."""
+    """Max abs weight difference sparse-vs-dense and deduplicated-vs-dense, which rows
+    differ, and the largest change the dense updates made (the scale of the difference)."""
 
     tokens: tuple
     sparse_vs_dense: float
     deduplicated_vs_dense: float
     rows_differing: tuple
+    dense_update_max_abs: float
 
 
 def reproduce(tokens=(1, 1, 2), optimizer_factory=lambda: keras.optimizers.Adam(0.1),
               steps: int = 2, vocab: int = 10, dim: int = 3) -> SparseDenseRecord:
     runs = {form: _train_embedding(list(tokens), form, optimizer_factory, steps, vocab, dim)
             for form in GRADIENT_FORMS}
+    initial = _train_embedding(list(tokens), "dense", optimizer_factory, 0, vocab, dim)
     row_diff = np.abs(runs["sparse"] - runs["dense"]).max(axis=1)
     return SparseDenseRecord(
         tokens=tuple(tokens),
         sparse_vs_dense=float(row_diff.max()),
         deduplicated_vs_dense=float(np.abs(runs["deduplicated"] - runs["dense"]).max()),
         rows_differing=tuple(int(i) for i in np.nonzero(row_diff > 0)[0]),
+        dense_update_max_abs=float(np.abs(runs["dense"] - initial).max()),
     )

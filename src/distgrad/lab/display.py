@@ -1,0 +1,58 @@
+"""Render small tables and source code in a notebook (markdown built by hand, no pandas).
+
+`markdown_table(headers, rows)` returns the markdown text (pure, tested);
+`show_table(...)` displays it; `show_environment(report)` displays the versions and
+devices of `distgrad.environment_report` as a two-column table; `show_code(obj)`
+returns the source of a function or class as an `IPython.display.Code` block.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+
+def _cell(value) -> str:
+    text = value if isinstance(value, str) else repr(value) if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(headers, rows) -> str:
+    """A markdown table: one header row, then one line per row of `rows`.
+
+    Cells are `str(value)` (floats `repr`), with `|` escaped and newlines flattened.
+
+    Raises ValueError if a row does not have one cell per header.
+    """
+    headers = list(headers)
+    lines = ["| " + " | ".join(_cell(h) for h in headers) + " |",
+             "|" + "---|" * len(headers)]
+    for row in rows:
+        row = list(row)
+        if len(row) != len(headers):
+            raise ValueError(f"row {row!r} has {len(row)} cells, expected {len(headers)}.")
+        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def show_table(headers, rows) -> None:
+    """Display `markdown_table(headers, rows)` in the notebook."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(markdown_table(headers, rows)))
+
+
+def show_environment(report: dict) -> None:
+    """Display an environment report (`distgrad.environment_report`) as a table."""
+    def text(value):
+        if isinstance(value, (list, tuple)):
+            return ", ".join(map(str, value)) or "none"
+        return value
+
+    show_table(["", "value"], [(key, text(value)) for key, value in report.items()])
+
+
+def show_code(obj):
+    """The source of `obj` (function, class or module) as an `IPython.display.Code`."""
+    from IPython.display import Code
+
+    return Code(inspect.getsource(obj), language="python")
