@@ -18,30 +18,34 @@
 #
 # **The question** ([Q3](../questions.md#q3), second half; TF 2.5, June 2021,
 # tensorflow/tensorflow#50454 "assign_add() not working on GPU?"). The user accumulates
-# gradients by monkey-patching `optimizer.apply_gradients`: add the gradients into
-# variables, always call the original with `accumulated * apply` (apply = 1 every n-th
-# step, else 0), reset with `accumulated * keep`. On the GPU, under `mixed_float16`, the
-# optimizer had been wrapped in a `LossScaleOptimizer` first, and the patch went onto the
-# wrapper: training behaved as if `assign_add` "did nothing", while `assign` converged.
-# They concluded they had patched the wrong instance — but patching
-# `optimizer.inner_optimizer.apply_gradients` "does not work either", and they never
-# found out why.
+# gradients by monkey-patching `optimizer.apply_gradients` with the mask patch of
+# [lesson 03 §6](03_cond_and_merge_call.ipynb): add the gradients into variables, always
+# call the original with `accumulated * apply` (apply = 1 every n-th step, else 0), reset
+# with `accumulated * keep`. On the GPU, under `mixed_float16`, the optimizer had been
+# wrapped in a `LossScaleOptimizer` first, and the patch went onto the wrapper: training
+# behaved as if `assign_add` "did nothing", while `assign` converged. They concluded they
+# had patched the wrong instance — but patching `optimizer.inner_optimizer.apply_gradients`
+# "does not work either", and they never found out why.
 #
 # **Short answer.** Patching the wrapper *does* accumulate. What kills it is the first
 # overflow, which dynamic loss scaling expects (it starts at 2**15 and halves): the
 # non-finite micro-batch goes into the accumulator, the reset `inf * 0` is `nan`, and from
 # then on every step hands the wrapper `nan`; it skips every step forever. Patching the
-# inner optimizer fails for a different reason in each Keras: in tf-keras the seed's
+# inner optimizer fails for a different reason in each Keras: in tf-keras the question's
 # patch returns `None` and breaks the wrapper's `tf.cond`; in Keras 3 the wrapper calls
-# `inner_optimizer.apply`, so the patch never runs. On the way we meet a hole in Keras 3's
-# own `LossScaleOptimizer`: it checks finiteness on replica 0 only.
+# `inner_optimizer.apply`, so the patch never runs. The fix is an accumulating optimizer
+# *inside* the wrapper. On the way we meet a hole in Keras 3's own `LossScaleOptimizer`:
+# it checks finiteness on replica 0 only.
 
 # %%
 import distgrad
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
-distgrad.environment_report(strategy)
+
+from distgrad.lab.display import show_environment, show_table  # noqa: E402
+
+show_environment(distgrad.environment_report(strategy))
 
 # %%
 import importlib.util
@@ -52,6 +56,7 @@ import keras
 import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
+from IPython.display import Code, display
 from keras.src.optimizers import loss_scale_optimizer
 
 from distgrad.lab import mixed
@@ -59,6 +64,7 @@ from distgrad.lab.compare import check_close, check_not_close
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
+from distgrad.pitfalls.mask_trick import QuestionMaskPatch
 
 tf.get_logger().setLevel("ERROR")  # fresh tf.functions on purpose: silence retracing notes
 assert R >= 2, "this lesson needs several replicas: set DISTGRAD_REPLICAS >= 2"
@@ -67,36 +73,79 @@ MIXED = {"rtol": mixed.MIXED_PRECISION_RTOL, "atol": mixed.MIXED_PRECISION_ATOL}
 print(f"default initial loss scale {S:g}; mixed-precision tolerance {MIXED}")
 
 # %% [markdown]
-# `SeedAccumulationPatch` (`distgrad.pitfalls.mask_trick`; lesson 03 met it) is the
-# question's patch line for line (plus a `calls` counter);
-# `lsp.patch_optimizer(optimizer, n, variables, target)` installs it on the
-# wrapper (`"loss_scale_optimizer"`) or on `inner_optimizer`. `model.compile` under
-# `mixed_float16` adds the same `LossScaleOptimizer` by itself; the user did it by hand.
-# All policy changes go through `mixed.mixed_precision_policy()`, which restores `float32`.
+# ## The question's two patches
+#
+# The question's answer shows how the patch was installed, and the variant that "does
+# NOT work either" (quoted as posted):
+#
+# ```python
+# if precision_policy.name.startswith('mixed'):
+#     logger.info(f'Using LossScaleOptimizer (policy: "{precision_policy.name})"')
+#     optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+#
+# if grad_acc_n > 1:
+#     # --> This patched the LossScaleOptimizer which caused the problem:
+#     optimizer = grad_acc.get_patched_optimizer(optimizer=optimizer, n=grad_acc_n)
+# ```
+#
+# ```python
+# if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+#     # Warning: This does NOT work either (just an example)!
+#     optimizer.inner_optimizer.apply_gradients = accumulator.apply_gradients
+#     raise Exception('Don\'t do this!')
+# else:
+#     optimizer.apply_gradients = accumulator.apply_gradients
+# ```
+#
+# As runnable code, both patches: the accumulator is `QuestionMaskPatch`, the question's
+# class as posted ([lesson 03 §6](03_cond_and_merge_call.ipynb) shows it), built on the
+# `apply_gradients` it replaces. `model.compile` under `mixed_float16` would add the same
+# `LossScaleOptimizer` by itself; the user did it by hand.
+
+# %%
+def install_question_patch(optimizer, n, trainable_variables, target):
+    """Patch `optimizer` (a LossScaleOptimizer) as the question did; returns the accumulator."""
+    if target == "loss_scale_optimizer":  # the question's run: the wrapper's method
+        patched = optimizer
+    elif target == "inner_optimizer":  # the answer's "does NOT work either"
+        patched = optimizer.inner_optimizer
+    else:
+        raise ValueError(f"unknown target {target!r}")
+    accumulator = QuestionMaskPatch(n, patched.apply_gradients, trainable_variables)
+    patched.apply_gradients = accumulator.apply_gradients
+    return accumulator
+
+
+# %% [markdown]
+# The `lsp` functions below (`distgrad.pitfalls.loss_scale_patch`) take it as `install=`:
+# they build a tiny model and `LossScaleOptimizer(SGD)` under the strategy scope, call it,
+# compile, and run `model.fit` under `mixed_float16` (`mixed.mixed_precision_policy()`
+# restores `float32` afterwards).
 #
 # ## 1 · Keras 3: which methods run, where, on which gradients
 #
 # `lsp.spy_patched_fit` runs two micro-batches of `model.fit` with n = 2 and records every
 # *execution* of the methods between the train step and the variable update. To make
 # "which gradient" one number, every replica and micro-batch sees the same 4 examples
-# and the learning rate is 0; `scale_seen` is the gradient passed divided by one
+# and the learning rate is 0; the last column is the gradient passed divided by one
 # replica's unscaled float32 contribution (≈ loss scale: scaled; ≈ 1: unscaled).
 
 # %%
-def show(record):
-    for step, function, context, calls, dtypes, seen in record.table():
-        seen = "" if seen is None else f"{seen:10.1f}"
-        print(f"step {step}  {function:52s} {context:13s} x{calls}  {dtypes[0]}  {seen}")
+def show_calls(record):
+    show_table(["step", "function", "context", "calls", "dtype", "gradient ÷ unscaled"], [
+        (step, f"`{function}`", context, calls, dtypes[0] if dtypes else "",
+         "" if seen is None else f"{seen:.1f}")
+        for step, function, context, calls, dtypes, seen in record.table()])
 
 
-spied = {target: lsp.spy_patched_fit(strategy, target)
+spied = {target: lsp.spy_patched_fit(strategy, target, install=install_question_patch)
          for target in ("loss_scale_optimizer", "inner_optimizer")}
-show(spied["loss_scale_optimizer"])
+show_calls(spied["loss_scale_optimizer"])
 
 # %%
 wrapper_patch = spied["loss_scale_optimizer"]
 for step in (1, 2):
-    calls = wrapper_patch.of("SeedAccumulationPatch.apply_gradients", step)
+    calls = wrapper_patch.of("QuestionMaskPatch.apply_gradients", step)
     assert sorted(c.replica for c in calls) == list(range(R))  # once per replica
     assert {c.context for c in calls} == {"replica"} and {c.dtypes for c in calls} == {("float32",)}
     assert all(abs(c.scale_seen / S - 1) < 1e-2 for c in calls)  # scaled partial gradients
@@ -118,34 +167,54 @@ assert all(abs(c.scale_seen / 2 - 1) < 1e-2 for c in wrapper_patch.of("SGD.apply
 # Now the inner-optimizer patch:
 
 # %%
-show(spied["inner_optimizer"])
+show_calls(spied["inner_optimizer"])
 inner_patch = spied["inner_optimizer"]
-assert inner_patch.count("SeedAccumulationPatch.apply_gradients") == 0
+assert inner_patch.count("QuestionMaskPatch.apply_gradients") == 0
 assert inner_patch.count("SGD.apply_gradients") == 0
 source = inspect.getsource(loss_scale_optimizer.LossScaleOptimizer._stateful_handle_finite_grads)
 assert "self.inner_optimizer.apply(" in source and "apply_gradients" not in source
-print([line.strip() for line in source.splitlines() if "inner_optimizer" in line])
+display(Code("\n".join(line for line in source.splitlines() if "inner_optimizer" in line),
+             language="python"))
 
 # %% [markdown]
 # The patch never runs: `LossScaleOptimizer._stateful_handle_finite_grads` calls
 # `self.inner_optimizer.apply(...)`, not `apply_gradients`, so the instance attribute the
 # user set is never looked up. Training is plain, non-accumulating training.
 #
-# ## 2 · Keras 3: what `model.fit` does to the weights
+# ## 2 · Keras 3: the overflow that freezes the weights
 #
 # `lsp.reproduce` runs 6 micro-batches (n = 2, SGD 0.1) in ordinary graph-mode `fit` and
-# records the loss scale, `iterations` and the largest weight change after each. To
-# control overflows we start the scale at `C` and give micro-batch 3 one example whose
-# target is `OUTLIER_TARGET`: its *scaled* gradient exceeds float16's 65504 while the
-# float32 loss stays finite — an overflow caused by loss scaling, as in real training.
+# records, after each, the loss scale, `iterations`, the largest weight change and what
+# the patch's accumulators hold. To control overflows we start the scale at `C` and give
+# micro-batch 3 one example whose target is `OUTLIER_TARGET`: its *scaled* gradient
+# exceeds float16's 65504 while the float32 loss stays finite — an overflow caused by loss
+# scaling, as in real training.
 
 # %%
-runs = {target: lsp.reproduce(strategy, target, overflow_step=3)
+runs = {target: lsp.reproduce(strategy, target, overflow_step=3, install=install_question_patch)
         for target in ("none", "loss_scale_optimizer", "inner_optimizer")}
-for target, run in runs.items():
-    print(f"{target:21s} scale {run.loss_scales}\n{'':21s} iterations {run.iterations}  "
-          f"max |Δw| {tuple(round(c, 4) for c in run.weight_changes)}  "
-          f"accumulators finite: {run.accumulators_finite}")
+labels = {"none": "stock wrapper, no patch", "loss_scale_optimizer": "patch on the wrapper",
+          "inner_optimizer": "patch on inner_optimizer"}
+micro = np.arange(1, 7)
+fig, (ax_scale, ax_change, ax_state) = plt.subplots(1, 3, figsize=(12, 3.3))
+for (target, run), marker in zip(runs.items(), "os^"):
+    ax_scale.plot(micro, np.log2(run.loss_scales), marker=marker, label=labels[target])
+    ax_change.plot(micro, np.maximum(run.weight_changes, 1e-6), marker=marker,
+                   label=labels[target])
+states = runs["loss_scale_optimizer"].accumulator_states
+levels = {"finite": 0, "inf": 1, "nan": 2}
+ax_state.step(micro, [levels[s] for s in states], where="mid", color="C1", marker="s")
+ax_state.set_yticks(list(levels.values()), list(levels))
+ax_state.annotate("reset: inf × keep(0) = nan", (4, 2), (1.2, 1.55), fontsize=8,
+                  arrowprops={"arrowstyle": "->"})
+for ax, title in ((ax_scale, "log2(loss scale)"), (ax_change, "max |Δw| (floor 1e-6)"),
+                  (ax_state, "accumulator (patch on the wrapper)")):
+    ax.axvline(3, color="red", linestyle=":", linewidth=1)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("micro-batch (overflow at 3)")
+ax_change.set_yscale("log")
+ax_scale.legend(fontsize=7)
+fig.tight_layout()
 
 # %%
 stock, wrapped, inner = runs["none"], runs["loss_scale_optimizer"], runs["inner_optimizer"]
@@ -153,23 +222,33 @@ assert stock.loss_scales == (C, C) + (C / 2,) * 4 and stock.weight_changes[2] ==
 assert wrapped.loss_scales == (C, C, C / 2, C / 4, C / 8, C / 16)  # halved every step
 assert wrapped.iterations == (1, 2, 2, 2, 2, 2)  # every step after the overflow skipped
 assert wrapped.weight_changes[2:] == (0.0,) * 4 and wrapped.accumulators_finite is False
+assert states[:2] == ("finite", "finite") and states[2] != "finite"
+assert states[3:] == ("nan",) * 3  # from the first reset on: nan forever
 assert inner.patch_calls == 0
 check_close(inner.final_weights, stock.final_weights, rtol=0, atol=0)  # plain training
+show_table(["", "loss scale ÷ C", "iterations", "accumulator"], [
+    (labels[t], ", ".join(f"{s / C:g}" for s in r.loss_scales), ", ".join(map(str, r.iterations)),
+     "" if r.accumulator_states is None else ", ".join(r.accumulator_states))
+    for t, r in runs.items()])
 
 # %% [markdown]
 # The stock wrapper skips micro-batch 3, halves the scale once and trains on. The
-# patched wrapper skips *every* step from the overflow on: the accumulator holds `nan`
-# (`inf * keep` with keep = 0 is `nan`), the scale halves each step, the weights are
-# frozen — "assign_add does nothing". With `assign(grad)` the poison is overwritten on
-# the next step, which is why the user's `assign` run converged.
+# patched wrapper skips *every* step from the overflow on: micro-batch 3's non-finite
+# gradient is added into the accumulator, the next reset multiplies it by keep = 0, and
+# `inf * 0` is `nan`; from then on the accumulator holds `nan`, every step hands the
+# wrapper a non-finite gradient, the scale halves each step, the weights are frozen —
+# "assign_add does nothing". With `assign(grad)` the poison is overwritten on the next
+# step, which is why the user's `assign` run converged.
 #
 # Before the first overflow the wrapper patch matches one big-batch step per window (the
 # patch sums micro-batch gradients, so the reference uses twice the learning rate):
 
 # %%
-clean = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None)
+clean = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None,
+                      install=install_question_patch)
 no_accumulation = lsp.reproduce(strategy, "none", overflow_step=None)
-print(check_close(clean.final_weights, lsp.accumulated_reference(strategy), **MIXED))
+print("patch on the wrapper vs big batch:",
+      f"{check_close(clean.final_weights, lsp.accumulated_reference(strategy), **MIXED).max_abs:.1e}")
 check_not_close(clean.final_weights, no_accumulation.final_weights, **MIXED)
 assert clean.iterations == (1, 2, 3, 4, 5, 6)  # but `iterations` counts micro-batches
 
@@ -180,9 +259,11 @@ assert clean.iterations == (1, 2, 3, 4, 5, 6)  # but `iterations` counts micro-b
 # %%
 one_device = distgrad.make_strategy(1)
 natural_stock = lsp.reproduce(one_device, "none", overflow_step=None, initial_scale=S)
-natural_patch = lsp.reproduce(one_device, "loss_scale_optimizer", overflow_step=None, initial_scale=S)
-print("stock  ", natural_stock.loss_scales, natural_stock.iterations)
-print("patched", natural_patch.loss_scales, natural_patch.iterations)
+natural_patch = lsp.reproduce(one_device, "loss_scale_optimizer", overflow_step=None,
+                              initial_scale=S, install=install_question_patch)
+show_table(["one device, scale 2**15", "loss scale ÷ S", "iterations"], [
+    (name, ", ".join(f"{s / S:g}" for s in r.loss_scales), ", ".join(map(str, r.iterations)))
+    for name, r in (("stock wrapper", natural_stock), ("patch on the wrapper", natural_patch))])
 assert natural_stock.loss_scales[0] == S / 2 and natural_stock.iterations[-1] >= 3
 assert natural_patch.iterations == (0,) * 6 and natural_patch.weight_changes == (0.0,) * 6
 
@@ -191,18 +272,30 @@ assert natural_patch.iterations == (0,) * 6 and natural_patch.weight_changes == 
 #
 # The user wrote Keras 2 code: a custom `train_step` with `get_scaled_loss` /
 # `get_unscaled_gradients` and the era's `OptimizerV2` (`tf.keras.optimizers.legacy.SGD`).
-# `lsp.legacy_reproduction` runs it, the same data and both patches, under tf-keras in one
-# child process (`distgrad.lab.legacy.run_legacy` sets `TF_USE_LEGACY_KERAS=1` before
-# TensorFlow is imported; the tf-keras code is `distgrad/pitfalls/legacy_loss_scale.py`),
-# plus tf-keras' newer optimizer (`LossScaleOptimizerV3`).
+# `distgrad/pitfalls/legacy_loss_scale.py` holds it (the question's `train_step`, reduced
+# to a tiny model) and the question's patch for tf-keras; it is imported only in a child
+# process where `distgrad.lab.legacy.run_legacy` sets `TF_USE_LEGACY_KERAS=1` before
+# TensorFlow is imported:
+
+# %%
+legacy_file = pathlib.Path(importlib.util.find_spec("distgrad.pitfalls").submodule_search_locations[0],
+                           "legacy_loss_scale.py").read_text()
+start = legacy_file.index("    def train_step(self, data):")
+display(Code(legacy_file[start:legacy_file.index("\n\n", start)], language="python"))
+
+# %% [markdown]
+# `lsp.legacy_reproduction` runs it, the same data and both patches, plus tf-keras'
+# newer optimizer (`LossScaleOptimizerV3`):
 
 # %%
 legacy = lsp.legacy_reproduction(replicas=R)
 print(f"TensorFlow {legacy.tensorflow}, tf-keras {legacy.tf_keras}, {legacy.replicas} "
       f"replicas, {legacy.seconds:.0f} s")
-for name, record in legacy.records.items():
-    outcome = f"{record.error.type}" if record.error else f"iterations {record.iterations}"
-    print(f"{name:40s} {record.lso_class:22s} calls {record.patch_calls}  {outcome}")
+show_table(["tf-keras scenario", "wrapper", "patch calls", "outcome"], [
+    (name, record.lso_class, "" if record.patch_calls is None else record.patch_calls,
+     f"`{record.error.type}`" if record.error else
+     "iterations " + ", ".join(map(str, record.iterations)))
+    for name, record in legacy.records.items()])
 
 # %%
 frozen = legacy["patch on LSO, overflow at 3"]
@@ -213,24 +306,45 @@ check_close(legacy["patch on LSO"].final_weights, legacy["big batch"].final_weig
 broken = legacy["patch on inner"]
 assert broken.error.type == "ValueError"
 assert broken.error.contains("Lengths of branch outputs of cond must match")
-print(broken.patch_traces[0])
-fixed_return = legacy["patch on inner, returning the result"]
-assert fixed_return.error is None and fixed_return.patch_calls == 5 and fixed_return.weights_finite
-print(broken.error.message.strip().splitlines()[-3:])
+assert broken.patch_traces[0]["context"] == "replica"
+assert broken.patch_traces[0]["kwargs"] == ["experimental_aggregate_gradients", "name"]
+print("the patched inner apply_gradients was traced with:", broken.patch_traces[0])
+print(*broken.error.message.strip().splitlines()[-3:], sep="\n")
 
 # %% [markdown]
-# * **Patch on the wrapper** behaves exactly as in Keras 3 (same weight changes within the
-#   mixed tolerance): correct accumulation of *unscaled* gradients (the seed's train step
-#   unscales first) until the overflow, frozen after it. tf-keras still counts the skipped
+# * **Patch on the wrapper** behaves as in Keras 3 (the same weight changes within the
+#   mixed tolerance): correct accumulation of *unscaled* gradients (the question's train
+#   step unscales first) until the overflow, frozen after it. tf-keras counts the skipped
 #   steps in `iterations`.
 # * **Patch on `inner_optimizer`** is reached in tf-keras — `LossScaleOptimizer._apply_gradients`
 #   calls `self._optimizer.apply_gradients(..., experimental_aggregate_gradients=False)`
 #   from `call_for_each_replica` — but inside the wrapper's
-#   `smart_cond(should_apply_grads, apply_fn, do_not_apply_fn)`. The seed's patch returns
-#   `None`; `do_not_apply_fn` returns the `iterations` increment: the branches' outputs
-#   differ and tracing fails with the `ValueError` above. Returning the original's result
-#   is enough: then the overflowing micro-batch never reaches the accumulator (5 calls for
-#   6 micro-batches). That — accumulation *inside* the wrapper — is the right composition.
+#   `smart_cond(should_apply_grads, apply_fn, do_not_apply_fn)`. The question's patch
+#   returns `None`; `do_not_apply_fn` returns the `iterations` increment: the branches'
+#   outputs differ and tracing fails with the `ValueError` above.
+#
+# Returning the original's result is enough to make it trace:
+
+# %%
+returning = legacy["patch on inner, returning the result"]
+assert returning.error is None and returning.weights_finite
+assert returning.patch_calls == 5  # the overflowing micro-batch 3 never reached it
+assert returning.iterations == (1, 2, 3, 4, 5, 6)  # an inner-optimizer step per micro-batch
+assert [c > 0 for c in returning.weight_changes] == [False, True, False, False, True, False]
+show_table(["patch on inner, returning the result", "value"], [
+    ("patch calls", returning.patch_calls),
+    ("iterations", ", ".join(map(str, returning.iterations))),
+    ("weights moved at micro-batch", ", ".join(
+        str(t + 1) for t, c in enumerate(returning.weight_changes) if c > 0))])
+
+# %% [markdown]
+# That gets one thing right: the accumulator sits *inside* the wrapper, so the wrapper
+# skips the overflowing micro-batch before it reaches the accumulator (5 calls for 6
+# micro-batches) and nothing is poisoned. But it is still the mask trick of
+# [lesson 03 §6](03_cond_and_merge_call.ipynb): every call runs the inner optimizer's
+# `apply_gradients`, mostly with zeros, so `iterations` counts micro-batches, and a
+# momentum or Adam optimizer would drift; it only looks right here because SGD ignores a
+# zero gradient. The right composition is the same order with real accumulation (§5).
 
 # %% [markdown]
 # ## 4 · A hole in Keras 3's wrapper: `finite` from the first replica
@@ -240,7 +354,7 @@ print(broken.error.message.strip().splitlines()[-3:])
 # %%
 tf_apply = inspect.getsource(loss_scale_optimizer.LossScaleOptimizer._tf_apply)
 excerpt = tf_apply[tf_apply.index("finite_per_replica ="):tf_apply.index("def apply_fn")]
-print(excerpt)
+display(Code(excerpt.rstrip(), language="python"))
 assert "experimental_local_results(" in excerpt and ")[0]" in excerpt
 legacy_source = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
                              "src/mixed_precision/loss_scale_optimizer.py").read_text()
@@ -254,12 +368,15 @@ assert "grads_and_vars = self._optimizer.aggregate_gradients(grads_and_vars)" in
 # default scale, an overflow in one replica's shard of micro-batch 2:
 
 # %%
+rows = []
 for replicas_hit in [(1,), (0,), tuple(range(R))]:
     run = first_replica.reproduce(strategy, overflow_replicas=replicas_hit)
     flags = first_replica.finite_flags(strategy, overflow_replicas=replicas_hit)
-    print(f"overflow on {replicas_hit}: check_finite {flags.finite_by_replica}, "
-          f"scale {run.loss_scales}, weights finite: {run.weights_finite}")
+    rows.append((replicas_hit, flags.finite_by_replica, ", ".join(f"{s / S:g}" for s in run.loss_scales),
+                 run.weights_finite))
     assert run.weights_finite == (0 in replicas_hit)  # only replica 0's flag counts
+show_table(["overflow on replicas", "`check_finite` per replica", "loss scale ÷ S",
+            "weights finite"], rows)
 assert legacy["stock, overflow on replica 1 only"].weights_finite  # tf-keras got it right
 
 # %% [markdown]
@@ -272,22 +389,25 @@ assert legacy["stock, overflow on replica 1 only"].weights_finite  # tf-keras go
 # %%
 for replicas_hit in [(1,), (0,)]:
     run = first_replica.reproduce(strategy, overflow_replicas=replicas_hit, fixed=True)
-    print(f"fixed wrapper, overflow on {replicas_hit}: scale {run.loss_scales}")
+    print(f"fixed wrapper, overflow on {replicas_hit}: loss scale ÷ S",
+          [s / S for s in run.loss_scales])
     assert run.weights_finite and run.loss_scales == (S, S / 2, S / 2, S / 2)
 
 # %% [markdown]
 # ## 5 · The fix: accumulate *inside* the wrapper
 #
-# `distgrad.optimizer.AccumulatingOptimizer` (lesson 03) under `mixed_float16`: pass it
-# to `model.compile` and Keras wraps it, `LossScaleOptimizer(AccumulatingOptimizer(SGD))`.
-# That order is the whole fix:
+# `distgrad.optimizer.AccumulatingOptimizer` ([lesson 03 §5](03_cond_and_merge_call.ipynb))
+# under `mixed_float16`: pass it to `model.compile` and Keras wraps it,
+# `LossScaleOptimizer(AccumulatingOptimizer(SGD))`. That order is the fix:
 #
 # * **unscale, then accumulate**: the wrapper divides each micro-batch by the scale *it*
 #   was computed with before our `apply` adds it — the scale may change inside a cycle;
 # * **float32 accumulators**, whatever the variables' dtype (asserted below);
 # * **a micro-batch the wrapper sees overflow is skipped before accumulation**: not added,
 #   not counted in `total_micro_steps`, loss scale halved, `iterations` unchanged; the cycle
-#   waits for `steps` good micro-batches.
+#   waits for k good micro-batches;
+# * **real accumulation**: the inner optimizer steps once per cycle, so `iterations`
+#   counts updates.
 
 # %%
 mb = 4 * R
@@ -296,126 +416,137 @@ auto = mixed.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)
 print(auto.wrapper, "(", auto.wrapped, ")", "accumulators:", auto.accumulator_dtypes)
 assert (auto.wrapper, auto.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
 assert auto.accumulator_dtypes == ("float32",) * 4
+rows = []
 for name, make in {"sgd": lambda: keras.optimizers.SGD(0.1),
                    "adam": lambda: keras.optimizers.Adam(0.01)}.items():
     accumulated = mixed.mixed_precision_fit(strategy, x, y, mb, 2, make)
     big_batch = mixed.mixed_precision_fit(strategy, x, y, 2 * mb, None, make)
-    print(f"{name}: 8 micro-batches, k=2 vs 4 big-batch steps:",
-          check_close(accumulated.final_weights, big_batch.final_weights, **MIXED))
+    diff = check_close(accumulated.final_weights, big_batch.final_weights, **MIXED)
+    rows.append((name, f"{diff.max_abs:.1e}", ", ".join(map(str, accumulated.iterations))))
     assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)
+show_table(["8 micro-batches, k = 2", "vs 4 big-batch steps", "iterations"], rows)
 
 # %%
 x6, y6 = mixed.overflow_data(6, mb, None, R)
-growing = lambda inner, **kw: keras.mixed_precision.LossScaleOptimizer(
+growing = lambda inner, **kw: keras.mixed_precision.LossScaleOptimizer(  # noqa: E731
     inner, **{**kw, "dynamic_growth_steps": 1})  # the scale doubles after every micro-batch
 fixed = mixed.mixed_precision_fit(strategy, x6, y6, mb, 2, lambda: keras.optimizers.SGD(0.2),
                                   initial_scale=16, dynamic_growth_steps=1)
 patched = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None, initial_scale=16,
-                        wrapper=growing)
+                        wrapper=growing, install=install_question_patch)
 reference = lsp.accumulated_reference(strategy, initial_scale=16)
-print("scales", fixed.loss_scales)
-print("AccumulatingOptimizer vs big batch:", check_close(fixed.final_weights, reference, **MIXED))
-print("seed patch on the wrapper vs big batch:", check_not_close(patched.final_weights, reference, **MIXED))
+print("loss scales", fixed.loss_scales)
+print("AccumulatingOptimizer vs big batch:",
+      f"{check_close(fixed.final_weights, reference, **MIXED).max_abs:.1e}")
+print("the question's patch on the wrapper vs big batch:",
+      f"{check_not_close(patched.final_weights, reference, **MIXED).max_abs:.1e}")
 
 # %% [markdown]
-# With a scale that changes inside every cycle, the seed's wrapper patch (scaled sum ÷
+# With a scale that changes inside every cycle, the question's wrapper patch (scaled sum ÷
 # latest scale) is wrong even without an overflow; unscaling per micro-batch is not.
 #
-# ### Non-finite micro-batches, and the loss-scale trajectory
+# ### Non-finite micro-batches: which wrapper skips what
 #
-# Now the default scale, growth after every 3 good micro-batches, and an outlier on all
-# replicas at micro-batch 8 — once under Keras' wrapper, once under
+# Sixteen micro-batches, k = 2, the scale starting low and doubling after every 4 good
+# micro-batches, and two outliers: at micro-batch 8 on **every** replica, at micro-batch
+# 12 on **replica 1 only** — once under Keras' wrapper, once under
 # `AllReplicasFiniteLossScaleOptimizer`.
 
 # %%
 def skipped(record):
+    """Micro-batches the wrapper skipped: `total_micro_steps` did not move."""
     previous = (0,) + record.total_micro_steps[:-1]
     return [t + 1 for t, (a, b) in enumerate(zip(previous, record.total_micro_steps)) if a == b]
 
 
-x16, y16 = mixed.overflow_data(16, mb, 8, R)
+ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER, START = 8, 12, 2.0**8
+x16, y16 = mixed.overflow_data(16, mb, ALL_REPLICAS_OUTLIER, R)
+_, y_one = mixed.overflow_data(16, mb, ONE_REPLICA_OUTLIER, R, overflow_replicas=(1,))
+y16 = np.maximum(y16, y_one)  # both outliers (OUTLIER_TARGET is the largest target)
 trajectories = {
-    "Keras LossScaleOptimizer": mixed.mixed_precision_fit(
-        strategy, x16, y16, mb, 2, initial_scale=S, dynamic_growth_steps=3),
-    "AllReplicasFiniteLossScaleOptimizer": mixed.mixed_precision_fit(
-        strategy, x16, y16, mb, 2, initial_scale=S, dynamic_growth_steps=3,
-        wrapper=AllReplicasFiniteLossScaleOptimizer),
-}
+    name: mixed.mixed_precision_fit(strategy, x16, y16, mb, 2, initial_scale=START,
+                                    dynamic_growth_steps=4, wrapper=wrapper)
+    for name, wrapper in (("Keras LossScaleOptimizer", None),
+                          ("AllReplicasFiniteLossScaleOptimizer",
+                           AllReplicasFiniteLossScaleOptimizer))}
 fig, (ax_scale, ax_updates) = plt.subplots(1, 2, figsize=(11, 3.5))
 steps = np.arange(1, 17)
 for name, record in trajectories.items():
     ax_scale.step(steps, np.log2(record.loss_scales), where="post", label=name)
-    ax_updates.step(steps, record.iterations, where="post", label=name)
-    bad = [t + 1 for t, ok in enumerate(record.weights_finite) if not ok]
-    if bad:
-        ax_updates.axvspan(bad[0], 16, color="red", alpha=0.1, label=f"{name}: weights non-finite")
-    print(f"{name}: skipped {skipped(record)}, first non-finite weights at "
-          f"{bad[0] if bad else None}, updates {record.iterations[-1]}")
+    ax_updates.step(steps, record.iterations, where="post", label=f"{name}: updates")
+    ax_updates.step(steps, record.total_micro_steps, where="post", linestyle="--",
+                    label=f"{name}: micro-steps")
 for ax in (ax_scale, ax_updates):
-    ax.axvline(8, color="gray", linestyle=":", label="outlier (all replicas)")
+    ax.axvline(ALL_REPLICAS_OUTLIER, color="gray", linestyle=":", label="outlier, all replicas")
+    ax.axvline(ONE_REPLICA_OUTLIER, color="red", linestyle=":", label="outlier, replica 1")
     ax.set_xlabel("micro-batch")
 ax_scale.set_ylabel("log2(loss scale)")
-ax_updates.set_ylabel("updates (iterations)")
+ax_updates.set_ylabel("count")
 ax_updates.legend(fontsize=7)
-plt.tight_layout()
+fig.tight_layout()
+show_table(["wrapper", "skipped", "updates", "total_micro_steps"], [
+    (name, skipped(r), ", ".join(map(str, r.iterations)), ", ".join(map(str, r.total_micro_steps)))
+    for name, r in trajectories.items()])
 
 # %%
-safe = trajectories["AllReplicasFiniteLossScaleOptimizer"]
-scales = (S,) + safe.loss_scales
-assert all(safe.weights_finite) and 8 in skipped(safe)
-assert [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2] == skipped(safe)
-assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2
 stock_run = trajectories["Keras LossScaleOptimizer"]
-if not all(stock_run.weights_finite):  # an overflow the wrapper missed
-    t = stock_run.weights_finite.index(False)
-    missed = sorted(set(skipped(safe)) - set(skipped(stock_run)))
-    assert missed and missed[0] <= t + 1  # the all-replica check skipped it, in this cycle
-    assert stock_run.loss_scales[t] == stock_run.loss_scales[t - 1]  # no halving: unseen
-    assert stock_run.total_micro_steps[t] == stock_run.total_micro_steps[t - 1] + 1  # added
+safe = trajectories["AllReplicasFiniteLossScaleOptimizer"]
+for record in (stock_run, safe):
+    assert all(record.weights_finite)
+    scales = (START,) + record.loss_scales
+    halved = [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2]
+    assert halved == skipped(record)  # every halving is a skipped micro-batch
+assert skipped(stock_run) == [ALL_REPLICAS_OUTLIER]  # replica 1's overflow is not seen...
+assert skipped(safe) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
+assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2  # every cycle applied
+t = ONE_REPLICA_OUTLIER - 1
+closes = next(u for u in range(t, 16) if stock_run.total_micro_steps[u] % 2 == 0)
+assert stock_run.iterations[closes] == stock_run.iterations[closes - 1]  # ...its cycle dropped
+assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
 
 # %% [markdown]
 # Read the plot: every halving of the scale is a skipped micro-batch (`total_micro_steps`
-# does not move) and a pause in the updates; growth follows every 3 good micro-batches.
-# Compare the two printouts: a micro-batch the all-replica wrapper skips but Keras'
-# wrapper does not is an overflow that happened *by itself* on a replica other than 0
-# (we injected only the one on all replicas). Under Keras' wrapper it is accumulated and
-# summed into the weights at the end of its cycle — the red band, if your run has one
-# (ours, on CPU, does): section 4's hole, met in the wild, inside the accumulating
-# optimizer.
+# does not move) and a pause in the updates. The outlier on every replica is skipped by
+# both wrappers. The one on replica 1 only is invisible to Keras' wrapper (section 4's
+# hole): it is accumulated, and it would be summed into the weights at the end of its
+# cycle. `AccumulatingOptimizer` does not trust the wrapper's check: when an update is
+# due, it checks **every replica's** accumulators in cross-replica context (no
+# collective); if any is non-finite, it **drops the cycle** — no update, accumulators
+# reset, `iterations` unchanged. The loss scale is not lowered, because the wrapper never
+# learned of the overflow. Under `AllReplicasFiniteLossScaleOptimizer` the bad micro-batch
+# itself is skipped, the scale halves, and no cycle is lost.
 #
-# So the accumulating optimizer must not trust the wrapper's check. The semantics
-# `AccumulatingOptimizer` implements: when an update is due, check **every replica's**
-# accumulators in cross-replica context (no collective); if any is non-finite, **drop the
-# cycle** — no update, accumulators reset, `iterations` unchanged. (The loss scale is not
-# lowered: the wrapper never learned of the overflow. Wrapping with
-# `AllReplicasFiniteLossScaleOptimizer` instead skips the bad micro-batch itself and
-# halves the scale.) With an overflow on replica 1 only, at micro-batch 3:
-
-# %%
-x_hole, y_hole = mixed.overflow_data(8, mb, 3, R, overflow_replicas=(1,))
-hole = mixed.mixed_precision_fit(strategy, x_hole, y_hole, mb, 2)
-print("Keras' wrapper:    iterations", hole.iterations, "finite", hole.weights_finite)
-assert all(hole.weights_finite) and hole.iterations == (0, 1, 1, 1, 1, 2, 2, 3)  # cycle 2 dropped
-guarded = mixed.mixed_precision_fit(strategy, x_hole, y_hole, mb, 2,
-                                    wrapper=AllReplicasFiniteLossScaleOptimizer)
-print("all-replica check: total_micro_steps", guarded.total_micro_steps,
-      "finite", guarded.weights_finite)
-assert all(guarded.weights_finite) and guarded.total_micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)
-
-# %% [markdown]
 # ## Takeaways
 #
 # * Patching `apply_gradients` on a `LossScaleOptimizer` accumulates **scaled** gradients
-#   (Keras 3) or unscaled ones (the seed's tf-keras train step) — and dies at the first
-#   overflow: `nan` enters the accumulator, `x * 0` cannot reset it, every later step is
-#   skipped. Dynamic loss scaling *expects* overflows, so sooner or later it happens
-#   (here, on one device: on the very first micro-batch).
+#   (Keras 3) or unscaled ones (the question's tf-keras train step) — and dies at the first
+#   overflow: the non-finite micro-batch enters the accumulator, `inf * 0` is `nan`, every
+#   later step is skipped. Dynamic loss scaling *expects* overflows, so sooner or later it
+#   happens (here, on one device: on the very first micro-batch).
 # * Patching `inner_optimizer.apply_gradients` is dead code in Keras 3 (the wrapper calls
 #   `inner.apply`), and a `tf.cond` output mismatch in tf-keras (the patch returns `None`).
-# * Compose the other way round: `LossScaleOptimizer(Accumulating(inner))`. Unscale per
-#   micro-batch, accumulate in float32, skip non-finite micro-batches before accumulation.
+#   Returning the result makes it trace and keeps overflows out of the accumulator, but it
+#   is still the mask trick: an inner-optimizer step on every micro-batch.
+# * Compose the other way round, with real accumulation:
+#   `LossScaleOptimizer(AccumulatingOptimizer(inner))`. Unscale per micro-batch,
+#   accumulate in float32, skip non-finite micro-batches before accumulation, one update
+#   per cycle.
 # * Keras 3's `LossScaleOptimizer` checks finiteness on **replica 0 only**; the comment
-#   assumes all-reduced gradients that Keras 3 no longer has. Check all replicas.
+#   assumes all-reduced gradients that Keras 3 no longer has. Check all replicas
+#   (`AllReplicasFiniteLossScaleOptimizer`), or at least before the update
+#   (`AccumulatingOptimizer` drops a poisoned cycle).
+#
+# ## Exercises
+#
+# 1. Move the outlier of §2 to micro-batch 4, an apply step. Predict the accumulator's
+#    states, then check: `lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=4,
+#    install=install_question_patch).accumulator_states`.
+# 2. Start the §2 wrapper patch at a scale high enough to overflow at once and predict
+#    `iterations`: `lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None,
+#    initial_scale=2.0**20, install=install_question_patch).iterations`.
+# 3. In the last trajectory cell set `ONE_REPLICA_OUTLIER = 11` (the first micro-batch of
+#    a cycle instead of the second, or the reverse, depending on the skips before it).
+#    Predict which micro-batch's update Keras' wrapper run loses, then rerun the two cells.
 #
 # ## Further reading
 #

@@ -75,7 +75,7 @@ show_environment(distgrad.environment_report(strategy))
 #
 # The question's `GradAccumModel`, as posted. It runs on Keras 3 unchanged: `keras.Model`
 # is what `tensorflow.keras.models.Model` imports since TF 2.16, and Keras 3 keeps
-# `compiled_loss` and `compiled_metrics` as deprecated shims (they warn on first use).
+# `compiled_loss` and `compiled_metrics` as deprecated shims (they warn, below).
 
 # %%
 class GradAccumModel(keras.Model):

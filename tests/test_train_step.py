@@ -452,3 +452,17 @@ def test_fresh_process_measurement_reports_rss_dominated_by_the_runtime():
     assert (m.accumulation_steps, m.replicas, m.batch_size) == (1, 1, 512)
     assert m.rss_peak >= m.rss_before > 10 * m.step.step_bytes > 0
     assert m.step.device == "CPU:0" and m.step_seconds > 0
+
+
+def test_a_saved_micro_batching_model_loads_with_its_accumulation_steps(tmp_path):
+    x, y = regression_data(16)
+    model = with_micro_batches(tiny_model(), 4)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(tmp_path / "micro.keras")
+    loaded = keras.models.load_model(tmp_path / "micro.keras")
+    assert isinstance(loaded, MicroBatchingModel) and loaded.accumulation_steps == 4
+    check_close(weights_of(loaded), weights_of(model), rtol=0, atol=0)
+    loaded.fit(x, y, batch_size=16, verbose=0)
+    model.fit(x, y, batch_size=16, verbose=0)
+    check_close(weights_of(loaded), weights_of(model))

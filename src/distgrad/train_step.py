@@ -149,6 +149,10 @@ class MicroBatching:
         # A traced train function has k baked in as a constant: retrace.
         self.train_function = None
 
+    def get_config(self):
+        # Saved with the model, so `keras.models.load_model` restores k.
+        return {**super().get_config(), "accumulation_steps": self.accumulation_steps}
+
     def train_step(self, data):
         k = self.accumulation_steps
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -216,11 +220,14 @@ class MicroBatching:
         return self.get_metrics_result()
 
 
+@keras.saving.register_keras_serializable(package="distgrad")
 class MicroBatchingModel(MicroBatching, keras.Model):
     """`keras.Model` with in-step micro-batching; accepts functional arguments.
 
     `MicroBatchingModel(inputs, outputs, accumulation_steps=4)` builds a functional model
-    (Keras injects `Functional` for subclasses called with inputs/outputs).
+    (Keras injects `Functional` for subclasses called with inputs/outputs). `model.save`
+    keeps `accumulation_steps`; a subclass of the mixin registers itself
+    (`keras.saving.register_keras_serializable`) like any custom model.
     """
 
 
