@@ -33,6 +33,7 @@ import statistics
 import time
 
 from benchmarks import trace
+from distgrad.lab.args import positive_int
 from distgrad.lab.memory import allocator_device, fresh_process_step_memory, measure_step_memory
 
 
@@ -57,8 +58,7 @@ def timed_rounds(runners: list, updates_of, repeats: int) -> tuple[dict, dict]:
     process) is a second view that other processes' load disturbs less than wall time:
     it counts the work done, not the time waited for a core.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    positive_int("repeats", repeats)
     wall = {r.key: [] for r in runners}
     cpu = {r.key: [] for r in runners}
     for round_index in range(repeats):

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from distgrad.lab.args import positive_int
 from distgrad.pitfalls import CapturedError
 
 LEARNING_RATE = 1e-3
@@ -154,8 +155,7 @@ class Runner:
 
     def run(self, updates: int) -> float:
         """Train `updates` updates (`updates * k` micro-batches); wall seconds, synced."""
-        if updates < 1:
-            raise ValueError(f"updates must be >= 1, got {updates}.")
+        positive_int("updates", updates)
         needed = updates * self.k * self.sizes.micro_batch
         if needed > len(self.x):
             raise ValueError(f"{updates} updates need {needed} examples, the data has {len(self.x)}.")

@@ -544,9 +544,9 @@ assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
 # 2. Start the §2 wrapper patch at a scale high enough to overflow at once and predict
 #    `iterations`: `lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None,
 #    initial_scale=2.0**20, install=install_question_patch).iterations`.
-# 3. In the last trajectory cell set `ONE_REPLICA_OUTLIER = 11` (the first micro-batch of
-#    a cycle instead of the second, or the reverse, depending on the skips before it).
-#    Predict which micro-batch's update Keras' wrapper run loses, then rerun the two cells.
+# 3. In the trajectory cell put the second outlier on replica 0 instead
+#    (`overflow_replicas=(0,)` in `y_one`). Predict `skipped(...)` for both wrappers and
+#    whether a cycle is dropped, then rerun that cell and the next: which assertions fail?
 #
 # ## Further reading
 #

@@ -412,7 +412,7 @@ def test_optimizer_created_outside_the_scope_is_rejected(strategy2):
 
 def test_other_bad_arguments_are_rejected(strategy2):
     x, y = regression_data(EXAMPLES)
-    with pytest.raises(ValueError, match="updates must be >= 1"):
+    with pytest.raises(ValueError, match="updates must be an integer >= 1"):
         train_accumulated(strategy2, OPTIMIZERS["sgd"], x, y, 2, updates=0)
     with pytest.raises(ValueError, match="loss_scaling must be one of"):
         train_accumulated(strategy2, OPTIMIZERS["sgd"], x, y, 2, loss_scaling="mean")

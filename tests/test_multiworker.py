@@ -22,7 +22,7 @@ def test_free_ports_are_distinct():
 
 
 def test_bad_launcher_arguments_fail_before_starting_workers():
-    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+    with pytest.raises(ValueError, match="num_workers must be an integer >= 1"):
         run_workers(f"{EXPERIMENTS}:train_on_worker", 0)
     with pytest.raises(ValueError, match="package.module:function"):
         run_workers("no_colon_here", 2)

@@ -46,7 +46,7 @@ def test_variables_refuse_or_silently_rebind_compound_assignment(record):
 
 
 def test_reproduce_rejects_zero_iterations():
-    with pytest.raises(ValueError, match="iterations must be >= 1"):
+    with pytest.raises(ValueError, match="iterations must be an integer >= 1"):
         compound_assignment.reproduce(0)
 
 

@@ -122,7 +122,7 @@ def test_bad_arguments_are_rejected(strategy2):
     x, y = regression_data(15)
     with pytest.raises(ValueError, match="not divisible by 2 replicas"):
         run_steps(strategy2, lambda: keras.optimizers.SGD(0.1), x, y, make_replica_step(15))
-    with pytest.raises(ValueError, match="steps must be >= 1"):
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         run_steps(strategy2, lambda: keras.optimizers.SGD(0.1), x[:14], y[:14],
                   make_replica_step(14), steps=0)
 

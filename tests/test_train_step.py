@@ -439,7 +439,7 @@ def test_more_micro_batches_need_less_step_memory(strategy1):
         step, seconds = profile_fit_step(model, x, y, 1024, timed_steps=1)
         step_bytes[k] = step.step_bytes
         assert seconds > 0
-    with pytest.raises(ValueError, match="timed_steps must be >= 1"):
+    with pytest.raises(ValueError, match="timed_steps must be an integer >= 1"):
         profile_fit_step(model, x, y, 1024, timed_steps=0)
     # three (1024, 512) float32 activations = 6 MiB can no longer be live at once
     assert step_bytes[1] - step_bytes[8] > 3 * 2 ** 20

@@ -14,6 +14,8 @@ import re
 import tomllib
 from pathlib import Path
 
+from site_helpers import hooks
+
 PITFALLS = "distgrad.pitfalls"
 _SECTION = re.compile(r"^## (?P<title>.+?)\s*\{#(?P<anchor>[\w-]+)\}\s*$", re.MULTILINE)
 _LESSON_LINK = re.compile(r"\]\(lessons/(?P<name>\d\d_[\w-]+)\.ipynb(?:#[^)]*)?\)")
@@ -136,25 +138,15 @@ def call_path_page_problems(root: Path) -> list[str]:
 # -------------------------------------------------------------------------- index.md
 
 
-def questions_by_lesson(questions_md: str) -> dict[str, set[str]]:
-    """`{NN_slug: {qid, ...}}`: a lesson answers each question whose section links it
-    (the rule the lesson header applies, docs/hooks/distgrad_site.py)."""
-    heads = list(re.finditer(r"^##\s+.+?\{#(?P<qid>q\d+)\}\s*$", questions_md, re.MULTILINE))
-    answered: dict[str, set[str]] = {}
-    for i, head in enumerate(heads):
-        end = heads[i + 1].start() if i + 1 < len(heads) else len(questions_md)
-        for m in re.finditer(r"\(lessons/(\d\d_[\w-]+)\.ipynb", questions_md[head.end():end]):
-            answered.setdefault(m.group(1), set()).add(head.group("qid"))
-    return answered
-
-
 def index_page_problems(root: Path) -> list[str]:
     """docs/index.md: each learning-path row's answers cell links the questions that
-    questions.md says the lesson answers ("—" for none); "the N real user questions" is
+    questions.md says the lesson answers ("—" for none; the rule of the lesson header,
+    `questions_by_lesson` in docs/hooks/distgrad_site.py); "the N real user questions" is
     the number of questions; "Python X.Y+" is pyproject's requires-python."""
     index = _read(root, "docs/index.md")
     questions = _read(root, "docs/questions.md")
-    answered = questions_by_lesson(questions)
+    answered = {uri.removeprefix("lessons/").removesuffix(".ipynb"): {q for q, _ in pairs}
+                for uri, pairs in hooks.questions_by_lesson(questions).items()}
     problems = []
     for row in re.finditer(r"^\| \[[^\]]*\]\(lessons/(?P<name>[\w-]+)\.ipynb\) \| "
                            r"(?P<answers>[^|]*) \|", index, re.MULTILINE):

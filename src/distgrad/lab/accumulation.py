@@ -13,6 +13,7 @@ import dataclasses
 import tensorflow as tf
 
 from distgrad.accumulator import GradientAccumulator
+from distgrad.lab.args import positive_int
 from distgrad.lab.compare import mirrored_copies_agree, weights_of
 from distgrad.lab.data import per_example_squared_error, tiny_model
 from distgrad.lab.graph import CollectiveCount, count_collectives
@@ -44,9 +45,7 @@ def plan_micro_batches(global_batch: int, accumulation_steps: int, replicas: int
     Raises ValueError for k < 1, a batch not divisible into k micro-batches, or a
     micro-batch not divisible across the replicas.
     """
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
-            or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}.")
+    positive_int("accumulation_steps", accumulation_steps)
     if global_batch % accumulation_steps:
         raise ValueError(
             f"global batch {global_batch} is not divisible into {accumulation_steps} "
@@ -193,8 +192,7 @@ def train_accumulated(strategy, optimizer_factory, x, y, accumulation_steps: int
     steps=updates)` up to float rounding. Raises ValueError for `updates < 1` and for
     the bad splits `plan_micro_batches` rejects.
     """
-    if updates < 1:
-        raise ValueError(f"updates must be >= 1, got {updates}.")
+    positive_int("updates", updates)
     trainer = AccumulatedTrainer(strategy, optimizer_factory, x, y, accumulation_steps,
                                  model_factory, loss_fn, loss_scaling, apply_every_micro_step)
     initial = weights_of(trainer.model)

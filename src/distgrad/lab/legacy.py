@@ -24,6 +24,7 @@ import dataclasses
 import importlib.util
 import os
 
+from distgrad.lab.args import positive_int
 from distgrad.lab.child import (
     DEFAULT_TIMEOUT_S,
     ChildError,
@@ -126,8 +127,7 @@ def run_legacy(target: str, replicas: int = 1, timeout: float = DEFAULT_TIMEOUT_
         TimeoutError: the child ran longer than `timeout` seconds (it is killed).
     """
     check_target(target)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}.")
+    positive_int("replicas", replicas)
     timeout = check_timeout(timeout)
     if not legacy_keras_available():
         raise ImportError("tf-keras is not installed, so legacy Keras 2 cannot be run: "

@@ -33,6 +33,7 @@ import platform
 import resource
 import time
 
+from distgrad.lab.args import positive_int
 from distgrad.lab.child import run_child
 
 
@@ -118,11 +119,15 @@ def measure_step_memory(fn, device: str | None = None) -> StepMemory:
 
 
 def allocator_counts(nbytes: int, device: str = "CPU:0") -> bool:
-    """Whether the allocator statistic on `device` sees a temporary of `nbytes` bytes."""
+    """Whether the allocator statistic on `device` sees a temporary of `nbytes` bytes
+    (the temporary is placed on `device`, also where a GPU would be the default)."""
     import tensorflow as tf
 
-    step = measure_step_memory(
-        lambda: float(tf.reduce_sum(tf.ones([max(1, nbytes // 4)], tf.float32))), device)
+    def temporary():
+        with tf.device(device):
+            return float(tf.reduce_sum(tf.ones([max(1, nbytes // 4)], tf.float32)))
+
+    step = measure_step_memory(temporary, device)
     return step.step_bytes >= nbytes // 4 * 4
 
 
@@ -181,8 +186,7 @@ def profile_fit_step(model, x, y, batch_size: int, timed_steps: int = 3,
     `fit` call (Keras' per-call overhead included, the same for every model); the
     minimum is the measurement least disturbed by other load on a shared machine.
     """
-    if timed_steps < 1:
-        raise ValueError(f"timed_steps must be >= 1, got {timed_steps}.")
+    positive_int("timed_steps", timed_steps)
     step = measure_step_memory(
         lambda: model.fit(x, y, batch_size=batch_size, verbose=0), device)
     times = []

@@ -22,6 +22,7 @@ import json
 import socket
 import time
 
+from distgrad.lab.args import positive_int
 from distgrad.lab.child import Child, ChildResult, check_timeout, resolve
 
 DEFAULT_TIMEOUT_S = 240.0
@@ -66,8 +67,7 @@ def run_workers(target: str, num_workers: int = 2, timeout: float = DEFAULT_TIME
         TimeoutError: the workers have not all finished within `timeout` seconds
             (every worker is killed first).
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers!r}.")
+    positive_int("num_workers", num_workers)
     timeout = check_timeout(timeout)
     resolve(target)
     ports = free_ports(num_workers)

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from distgrad.clipping import clip_by_global_norm_across_replicas
+from distgrad.lab.args import positive_int
 from distgrad.lab.compare import mirrored_copies_agree, weights_of
 from distgrad.lab.data import per_example_squared_error, tiny_model
 
@@ -116,8 +117,7 @@ def run_steps(strategy, optimizer_factory, x, y, replica_step, steps: int = 1,
     hands replica r the r-th contiguous slice. Variables are created under
     `strategy.scope()`; the optimizer is built there too, before tracing.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}.")
+    positive_int("steps", steps)
     if len(x) % strategy.num_replicas_in_sync:
         raise ValueError(
             f"global batch {len(x)} is not divisible by {strategy.num_replicas_in_sync} replicas."

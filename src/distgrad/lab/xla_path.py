@@ -112,8 +112,8 @@ def stock_loss_scale_overflow_on_one_replica(replicas: int = 2) -> LossScaleReco
     import keras
     import numpy as np
 
-    from distgrad.lab.mixed import mixed_precision_policy, overflow_data
     from distgrad.lab.data import tiny_model
+    from distgrad.lab.mixed import mixed_precision_policy, overflow_data
 
     strategy = no_merge_call_strategy(replicas)
     global_batch = 4 * replicas

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from distgrad.lab.args import positive_int
 from distgrad.lab.compare import WeightDiff, update_ratio, updates, weight_diff, weights_of
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.recipes import big_batch_reference
@@ -79,8 +80,7 @@ class CompoundAssignmentRecord:
 
 def reproduce(iterations: int = 3) -> CompoundAssignmentRecord:
     """Run the four accumulation patterns for `iterations` iterations and record them."""
-    if iterations < 1:
-        raise ValueError(f"iterations must be >= 1, got {iterations}.")
+    positive_int("iterations", iterations)
 
     def compound_body(i, grad):
         _grad = _increment(i)

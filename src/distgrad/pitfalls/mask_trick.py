@@ -31,6 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from distgrad.lab.args import positive_int
 from distgrad.lab.compare import OPTIMIZERS, WeightDiff, weight_diff, weights_of
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import AllReducePlacement, fit_step_placement
@@ -106,8 +107,7 @@ class QuestionMaskPatch:
 
 def check_steps(n) -> int:
     """`n` if it is an integer >= 1 (a bool is not); ValueError otherwise."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}.")
+    positive_int("n", n)
     return n
 
 
