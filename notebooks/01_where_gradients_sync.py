@@ -272,14 +272,18 @@ assert losses.loss_object == losses.compute_average_loss  # the batch splits eve
 assert losses.loss_object_cross_replica_in_scope == 1.0 / R  # scaled under the scope too
 assert losses.loss_object_without_strategy == 1.0
 assert losses.reduction_none_sum == (losses.global_batch / R,) * R  # unscaled per example
+# the tutorial's step with the loss object as its loss: the one-device SGD step
+print(f"SGD step, loss object in train_step, vs one device: max abs diff "
+      f"{losses.sgd_step_vs_one_device.max_abs:.1e}")
+assert losses.sgd_step_vs_one_device.within()
 
 # %% [markdown]
-# So inside `strategy.run` the default loss object already gives the right gradient
-# for an evenly split batch, and the reason is the strategy *in scope*, not the replica
+# So inside `strategy.run` the default loss object already gives the right step for an
+# evenly split batch, and the reason is the strategy *in scope*, not the replica
 # context: a validation loss computed eagerly under `strategy.scope()` is reported R
-# times too small. Divide it again (`loss_object(y, p) / R`) and the update is R times
-# too small. Use either the loss object as is, or `reduction=None` with
-# `compute_average_loss` — not both.
+# times too small. Use either the loss object as is, or `reduction=None` with
+# `compute_average_loss` — dividing the loss object's value by the batch or by R again
+# divides twice.
 #
 # ### A regularization term is added on every replica
 #
@@ -333,10 +337,15 @@ for examples in (even, uneven):  # the constant shrinks the step by examples / G
 assert by[even, "per_replica_times_r"].vs_one_device.within()
 assert not by[uneven, "per_replica_times_r"].vs_one_device.within()  # wrong weights
 
+counted = run_steps(strategy, sgd, x, y, last_batch_scaling.make_replica_step("counted", GLOBAL_BATCH))
+counted_ops = count_collectives(counted.step_function, counted.batch, replicas=R)
+print(f"all-reduces per step, counting the examples: {counted_ops.all_reduces}")
+assert counted_ops.all_reduces == full_step.all_reduces + 1  # the count: one scalar more
+
 # %% [markdown]
 # With the constant, the last step of every epoch is smaller by `examples / GLOBAL_BATCH`;
 # with the default, replicas holding fewer examples get more weight. Count the examples
-# (one scalar all-reduce per step) or drop the remainder.
+# (one more, scalar, all-reduce per step) or drop the remainder.
 #
 # ### Can you turn the optimizer's SUM off and all-reduce yourself?
 #
@@ -387,9 +396,6 @@ rows = [(f"Keras {keras.__version__} `SGD({option})`", "before",
 rows += [(f"tf-keras {legacy.tf_keras} `{name}({option})`", "after",
           f"{legacy.max_abs[name, option]:.1e}", f"{legacy.update_max_abs[name, option]:.1e}")
          for name, option in legacy.max_abs]
-rows.append(("Keras 3 `SGD`, `clip_by_global_norm_across_replicas`", "after",
-             f"{keras3['global_clipnorm'].clip_after_sync_vs_one_device.max_abs:.1e}",
-             f"{keras3['global_clipnorm'].one_device_update_max_abs:.1e}"))
 show_table(["optimizer", "clips the all-reduce's", f"max abs diff, {R} replicas vs 1 device",
             "1-device update"], rows)
 print(f"tf-keras gradient norms: full {legacy.full_gradient_norm:.2f}, per replica "
@@ -398,7 +404,6 @@ print(f"tf-keras gradient norms: full {legacy.full_gradient_norm:.2f}, per repli
 # %%
 for r in keras3.values():  # Keras 3: the clipped update differs by most of its own size
     assert r.optimizer_clipping_vs_one_device.max_abs > 0.5 * r.one_device_update_max_abs
-assert keras3["global_clipnorm"].clip_after_sync_vs_one_device.within()  # the fix
 assert legacy.replicas == R and legacy.tf_keras.startswith("2.")
 for name, option in legacy.max_abs:  # tf-keras: replicas == one device
     assert legacy.within(name, option), (name, option, legacy.max_abs[name, option])
@@ -412,13 +417,36 @@ assert min(legacy.full_gradient_norm, *legacy.per_replica_gradient_norms) > CLIP
 # kept optimizer clipping disabled under strategies in TF 2.2 rather than ship it
 # (tensorflow/tensorflow#33929); tf-keras clips after the sum, as measured above.
 #
-# **The fix**, `distgrad.clip_by_global_norm_across_replicas`: all-reduce once to learn the
-# norm of the *summed* gradient, compute the clip factor `s = min(1, c / ‖G‖)` (identical
-# on every replica), and pass `s · gᵣ` to an optimizer *without* `clipnorm`. Its own SUM
-# then produces exactly `s · G`. The price is one extra all-reduce per step:
+# **The fix**, in `train_step`: clip the *summed* gradient yourself and give the
+# optimizer no `clipnorm`. `distgrad.clip_by_global_norm_across_replicas` all-reduces
+# once to learn the norm of the sum G, computes the clip factor `s = min(1, c / ‖G‖)`
+# (identical on every replica), and returns `s · gᵣ`; the optimizer's own SUM then
+# produces exactly `s · G`:
 
 # %%
 show_code(distgrad.clip_by_global_norm_across_replicas)
+
+
+# %%
+def clipped_train_step(model, optimizer, x, y):
+    """`train_step`, clipping the sum of the replicas' gradients to CLIP_NORM."""
+    with tf.GradientTape() as tape:
+        per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
+        loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    gradients = distgrad.clip_by_global_norm_across_replicas(gradients, CLIP_NORM)
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # SGD, no clipnorm
+    return loss
+
+
+clipped = run_steps(strategy, sgd, x, y, clipped_train_step)
+clipping_sgd = lambda: keras.optimizers.SGD(0.1, global_clipnorm=CLIP_NORM)  # noqa: E731
+fixed = check_close(clipped.final, big_batch_reference(clipping_sgd, x, y))
+clipped_ops = count_collectives(clipped.step_function, clipped.batch, replicas=R)
+print(f"clip after the sum vs one device SGD(global_clipnorm={CLIP_NORM}): "
+      f"max abs diff {fixed.max_abs:.1e}")
+print(f"all-reduces per step: {clipped_ops.all_reduces} (train_step: {full_step.all_reduces})")
+assert clipped_ops.all_reduces == full_step.all_reduces + 1  # the price: one more all-reduce
 
 # %% [markdown]
 # ## Takeaways

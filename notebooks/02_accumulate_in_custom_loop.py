@@ -37,9 +37,9 @@
 # replica-local buffer (a `SyncOnRead` variable: no communication) instead of returning
 # them; divide every micro-batch loss by the global batch of the *whole update*; and
 # apply once per k micro-batches with a second `strategy.run`, where the optimizer's own
-# SUM all-reduce is the single sync. Section 3 writes that loop; sections 4–8 prove it
-# equals one big-batch step and take it apart; `distgrad.GradientAccumulator` (section 9)
-# is its packaged form.
+# SUM all-reduce is the single sync. Below we reproduce the question and the posted
+# answer, write that loop, prove that it equals one big-batch step, and then use its
+# packaged form, `distgrad.GradientAccumulator`.
 
 # %%
 import distgrad
@@ -65,7 +65,7 @@ import tensorflow as tf
 from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close, update_ratio, updates
 from distgrad.lab.compare import weights_of
 from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import count_collectives
+from distgrad.lab.graph import count_collectives, graph_op_types
 from distgrad.lab.recipes import big_batch_reference
 from distgrad.pitfalls import lazy_slot_creation, outside_strategy_run
 
@@ -138,11 +138,11 @@ assert "`apply_gradients() cannot be called in cross-replica context" in legacy.
 # Its first line of TensorFlow no longer exists: `experimental_run_v2` was renamed
 # `run` in TF 2.2 (tensorflow/tensorflow#37551) and the old name was gone by TF 2.4
 # (tensorflow/tensorflow#49187). With `strategy.run` in its place the
-# accumulation runs: the answer sums `experimental_local_results` in cross-replica
-# context into accumulators created as plain `tf.Variable`s under the scope, which makes
-# them **MirroredVariables**. So at *every* micro-step the R gradients are copied to one
-# device, summed there, and written back into R copies of the accumulator: the
-# communication the accumulation was supposed to save, k times per update.
+# accumulation runs: the answer sums `experimental_local_results` (`tf.add_n` of the R
+# per-device gradients, in cross-replica context) into accumulators created as plain
+# `tf.Variable`s under the scope, which makes them **MirroredVariables**: at *every*
+# micro-step the R gradients meet on one device and the sum is written into every copy
+# of the accumulator — the communication the accumulation was supposed to save.
 #
 # The apply then fails under `strategy.scope()` exactly like the question's. Outside the
 # scope it happens to *run* (`DistributedVariable._update` re-enters the variable's own
@@ -513,12 +513,12 @@ print(f"resumed vs uninterrupted: {resumed.max_abs:.1e}; vs 2 big-batch steps: {
 # ## 9 · The packaged form: `GradientAccumulator`
 #
 # `distgrad.GradientAccumulator` is the buffers of section 3 with what a real model needs
-# besides: a micro-step counter (`micro_steps`, checkpointed with the buffers, so the
-# loop position is saved too), float32 buffers for float16/bfloat16 weights,
-# `None` gradients skipped, `tf.IndexedSlices` summed into the dense buffer
-# (for embeddings and Adam see [lesson 07, section 3](07_beyond_the_basics.ipynb)), and
-# errors for the misuses of sections 1 and 7. Its `add` and `apply_gradients` are the
-# two halves of section 3:
+# besides, each pinned in `tests/test_accumulator.py`: a micro-step counter
+# (`micro_steps`, checkpointed with the buffers, so the loop position is saved too),
+# float32 buffers for float16/bfloat16 weights, `None` gradients skipped,
+# `tf.IndexedSlices` summed into the dense buffer (embeddings; what Adam does with them
+# is [lesson 07, section 3](07_beyond_the_basics.ipynb)), and errors for the misuses of
+# sections 1 and 7. Its `add` is the first half of section 3's `train_step`:
 
 # %%
 show_code(distgrad.GradientAccumulator.add)
@@ -553,6 +553,14 @@ assert accumulator.micro_steps == 0 and int(optimizer.iterations.numpy()) == 3
 same = check_close(weights_of(model), weights_of(loop.model))  # section 3's loop
 print(f"GradientAccumulator vs section 3's loop, 3 updates: max abs diff {same.max_abs:.1e}")
 assert count_collectives(apply_step.function, replicas=R).all_reduces == 1
+try:
+    with strategy.scope():  # cross-replica context: the question's mistake
+        accumulator.add([tf.zeros_like(v) for v in model.trainable_variables])
+except RuntimeError as err:
+    misuse = err
+print(textwrap.fill(f"add() outside strategy.run -> RuntimeError: {misuse}", 90,
+                    subsequent_indent="  "))
+assert "must run in replica context" in str(misuse)
 
 # %% [markdown]
 # ## 10 · The picture: big batch vs accumulated vs naive small batch
@@ -576,6 +584,8 @@ big_batch = [start] + [big_batch_reference(slow_sgd, x, y, steps=n) for n in ran
 for n in range(PASSES):
     check_close(accumulated.weights[n], big_batch[n + 1], what=f"update {n + 1}")
 check_not_close(naive.weights[-1], accumulated.weights[-1])
+assert int(accumulated.optimizer.iterations.numpy()) == PASSES
+assert int(naive.optimizer.iterations.numpy()) == 4 * PASSES
 
 curves = {"big batch, 1 device": [full_batch_loss(w) for w in big_batch],
           f"accumulated, k=4, R={R}": [full_batch_loss(w) for w in [start] + accumulated.weights],
@@ -616,11 +626,22 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
 # 1. Predict the SGD update of one accumulated update when each micro-batch loss is
 #    divided by the global *micro* batch, `EXAMPLES // K`, then run the first cell below.
 # 2. In `build_accumulating_loop`, make the buffers `synchronization=ON_WRITE` (keep
-#    `aggregation=SUM`), rerun that cell and the second cell below. How many all-reduces
-#    does `accumulate` pay now, and what happens to the update (hint: what does
-#    `read_value()` return in replica context for a mirrored variable)?
+#    `aggregation=SUM`), rerun that cell, then the second cell below. Where does each
+#    micro-step's sum happen now, and by what factor is the update off?
 # 3. Remove `optimizer.build(...)` from `build_accumulating_loop`, rerun it, and run
 #    `train(adam, 2, 1)`. Which error do you get, and which section explains it?
+#
+# <details><summary>Answers</summary>
+#
+# 1. k = 4 times the big-batch step (section 5).
+# 2. A `MirroredVariable` updated in replica context with `aggregation=SUM` sums the R
+#    values in a `merge_call` at every micro-step (one more `AddN` per variable in
+#    `accumulate`: the R gradients meet on one device);
+#    `read_value()` in `apply_step` then returns that sum on every replica, and the
+#    optimizer sums it again: R times the big-batch step.
+# 3. `InvalidArgumentError: You must feed a value for placeholder tensor ...` (section 7).
+#
+# </details>
 
 # %%
 EXERCISE_DIVIDE_BY = EXAMPLES // K
@@ -629,9 +650,15 @@ ratio = update_ratio(updates(exercise.weights[0], tiny_model().get_weights()), r
 print(f"loss / {EXERCISE_DIVIDE_BY}: SGD update x{ratio:.4f} of one big-batch step")
 
 # %%
-exercise_loop = build_accumulating_loop(sgd, EXAMPLES)
-print("all-reduces in accumulate:",
-      count_collectives(exercise_loop.accumulate, micro_batches[0], replicas=R).all_reduces)
+exercise = build_accumulating_loop(sgd, EXAMPLES)
+graph = exercise.accumulate.get_concrete_function(micro_batches[0]).graph.as_graph_def()
+print("AddN ops in accumulate:", graph_op_types(graph)["AddN"])
+for data in micro_batches:
+    exercise.accumulate(data)
+exercise.apply()
+ratio = update_ratio(updates(weights_of(exercise.model), tiny_model().get_weights()),
+                     reference_update)
+print(f"SGD update x{ratio:.4f} of one big-batch step")
 
 # %% [markdown]
 # ## Further reading

@@ -83,12 +83,13 @@ def show_source(function, *markers, context=2):
         assert hits, f"{marker!r} not in {function.__qualname__}: the source changed"
         i = hits[0]
         excerpt += lines[max(0, i - context): i + context + 1] + ["    ..."]
+    excerpt = [line.split("  # pylint:")[0] for line in excerpt]  # keep lines short
     display(Code("\n".join(excerpt), language="python"))
 
 
 def error_line(error, width=96):
-    """The last line of a captured error's message, cut to `width` characters."""
-    line = error.message.strip().splitlines()[-1].strip()
+    """The last line of a captured error's message, without the type, cut to `width`."""
+    line = error.message.strip().splitlines()[-1].strip().removeprefix(f"{error.type}: ")
     return line if len(line) <= width else line[:width - 3] + "..."
 
 
@@ -192,8 +193,8 @@ assert type(sgd.apply_gradients.__self__) is _GradientAccumulationPatch
 posted = {"no strategy": cond_merge_call.reproduce(None, _GradientAccumulationPatch),
           f"MirroredStrategy, {R} replicas": cond_merge_call.reproduce(
               strategy, _GradientAccumulationPatch)}
-show_table(["the posted patch", "error"],
-           [(name, f"`{r.error.type}`: {error_line(r.error)}") for name, r in posted.items()])
+show_table(["the posted patch", "error", "message"],
+           [(name, f"`{r.error.type}`", error_line(r.error)) for name, r in posted.items()])
 for r in posted.values():
     assert r.error.type == "TypeError"
     assert r.error.contains("apply_gradients() takes 2 positional arguments but 4 were given")
@@ -279,7 +280,8 @@ fixed_calls = {"no strategy": cond_merge_call.reproduce(None, CallsFixedCondPatc
                f"MirroredStrategy, {R} replicas": cond_merge_call.reproduce(
                    strategy, CallsFixedCondPatch)}
 show_table(["both Python bugs fixed", "updates", "max abs weight change", "error"], [
-    (name, r.updates, r.weight_change, "" if r.error is None else f"`{r.error.type}`")
+    (name, "" if r.error else r.updates, "" if r.error else f"{r.weight_change:.3f}",
+     "" if r.error is None else f"`{r.error.type}`")
     for name, r in fixed_calls.items()])
 plain, record = fixed_calls.values()
 assert plain.error is None and plain.updates == plain.micro_steps // 2 and plain.weight_change > 1e-3
@@ -287,7 +289,7 @@ assert plain.supports_no_merge_call and record.supports_no_merge_call is False
 assert record.error.type == "RuntimeError"
 assert record.error.contains(cond_merge_call.MERGE_CALL_ERROR)
 assert record.error.contains("control flow statement which contains a synchronization point")
-print(cond_merge_call.MERGE_CALL_ERROR)
+print("RuntimeError:", cond_merge_call.MERGE_CALL_ERROR, "...")
 
 # %% [markdown]
 # Now the question's error. Without a strategy the same code trains: there
@@ -305,8 +307,7 @@ builtin = cond_merge_call.reproduce_builtin(strategy, steps=STEPS)
 builtin_plain = cond_merge_call.reproduce_builtin(None, steps=STEPS, updates=2)
 show_table(["`gradient_accumulation_steps=4` in `fit`", "error", "updates", "vs big batch"], [
     (f"{builtin.strategy}, {builtin.replicas} replicas", f"`{builtin.error.type}`", "", ""),
-    ("no strategy", builtin_plain.error, builtin_plain.updates,
-     f"{builtin_plain.vs_big_batch.max_abs:.1e}")])
+    ("no strategy", "none", builtin_plain.updates, f"{builtin_plain.vs_big_batch.max_abs:.1e}")])
 assert builtin.error.type == "RuntimeError"
 assert builtin.error.contains("Exception encountered when calling Cond.call()")
 assert builtin.error.contains(cond_merge_call.MERGE_CALL_ERROR)
@@ -461,10 +462,10 @@ in_fit = {name: cond_merge_call.patched_run(strategy, CrossReplicaCondPatch, OPT
                                             x, y, MICRO_BATCH, STEPS, fit=True)
           for name in ("sgd", "momentum")}
 k_times_lr = fit_run(None, lambda: keras.optimizers.SGD(0.1 * STEPS), x, y, STEPS * MICRO_BATCH)
-print("fit, SGD(0.1) vs big batch with SGD(0.1 * k):",
-      check_close(in_fit["sgd"].final, k_times_lr.final))
-print("fit, momentum vs big batch:",
-      check_not_close(in_fit["momentum"].final, references["momentum"].final))
+print("fit, SGD(0.1) vs big batch with SGD(0.1 * k): max abs diff",
+      f"{check_close(in_fit['sgd'].final, k_times_lr.final).max_abs:.1e}")
+print("fit, momentum vs big batch: max abs diff",
+      f"{check_not_close(in_fit['momentum'].final, references['momentum'].final).max_abs:.1e}")
 assert in_fit["sgd"].updates == UPDATES
 assert (in_fit["sgd"].placement.every_call, in_fit["sgd"].placement.conditional) == (0, 1)
 
@@ -516,10 +517,11 @@ clip_reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
 clip_run = fit_run(strategy, lambda: AccumulatingOptimizer(clipped(), STEPS), x, y, MICRO_BATCH)
 placement = fit_step_placement(clip_run.model, x, y, MICRO_BATCH)
 unclipped_gap = weight_diff(clip_reference.final, references["sgd"].final).max_abs
-print("global_clipnorm, vs one-device clipped big batch:",
-      check_close(clip_run.final, clip_reference.final))
+print("global_clipnorm, vs one-device clipped big batch: max abs diff",
+      f"{check_close(clip_run.final, clip_reference.final).max_abs:.1e}")
 print(f"  clipping is active: unclipped differs by {unclipped_gap:.3e}")
-print("  all-reduces with clipping:", placement)
+print(f"  all-reduces per step with clipping: {placement.every_call} on every call, "
+      f"{placement.conditional} in the cond branch")
 assert not weight_diff(clip_reference.final, references["sgd"].final).within()
 assert (placement.every_call, placement.conditional) == (0, 2)
 

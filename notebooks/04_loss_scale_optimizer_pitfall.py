@@ -450,7 +450,9 @@ print("the question's patch on the wrapper vs big batch:",
 # Sixteen micro-batches, k = 2, the scale starting low and doubling after every 4 good
 # micro-batches, and two outliers: at micro-batch 8 on **every** replica, at micro-batch
 # 12 on **replica 1 only** — once under Keras' wrapper, once under
-# `AllReplicasFiniteLossScaleOptimizer`.
+# `AllReplicasFiniteLossScaleOptimizer`. `AccumulatingOptimizer(...,
+# non_finite="skip")` drops a cycle whose accumulators are non-finite on any replica and
+# counts it in `skipped_updates`.
 
 # %%
 def skipped(record):
@@ -465,7 +467,7 @@ _, y_one = mixed.overflow_data(16, mb, ONE_REPLICA_OUTLIER, R, overflow_replicas
 y16 = np.maximum(y16, y_one)  # both outliers (OUTLIER_TARGET is the largest target)
 trajectories = {
     name: mixed.mixed_precision_fit(strategy, x16, y16, mb, 2, initial_scale=START,
-                                    dynamic_growth_steps=4, wrapper=wrapper)
+                                    dynamic_growth_steps=4, wrapper=wrapper, non_finite="skip")
     for name, wrapper in (("Keras LossScaleOptimizer", None),
                           ("AllReplicasFiniteLossScaleOptimizer",
                            AllReplicasFiniteLossScaleOptimizer))}
@@ -484,9 +486,10 @@ ax_scale.set_ylabel("log2(loss scale)")
 ax_updates.set_ylabel("count")
 ax_updates.legend(fontsize=7)
 fig.tight_layout()
-show_table(["wrapper", "skipped", "updates", "total_micro_steps"], [
-    (name, skipped(r), ", ".join(map(str, r.iterations)), ", ".join(map(str, r.total_micro_steps)))
-    for name, r in trajectories.items()])
+show_table(["wrapper", "skipped micro-batches", "dropped cycles", "updates",
+            "total_micro_steps"], [
+    (name, skipped(r), r.skipped_updates, ", ".join(map(str, r.iterations)),
+     ", ".join(map(str, r.total_micro_steps))) for name, r in trajectories.items()])
 
 # %%
 stock_run = trajectories["Keras LossScaleOptimizer"]
@@ -499,6 +502,7 @@ for record in (stock_run, safe):
 assert skipped(stock_run) == [ALL_REPLICAS_OUTLIER]  # replica 1's overflow is not seen...
 assert skipped(safe) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
 assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2  # every cycle applied
+assert (safe.skipped_updates, stock_run.skipped_updates) == (0, 1)
 t = ONE_REPLICA_OUTLIER - 1
 closes = next(u for u in range(t, 16) if stock_run.total_micro_steps[u] % 2 == 0)
 assert stock_run.iterations[closes] == stock_run.iterations[closes - 1]  # ...its cycle dropped
@@ -512,8 +516,8 @@ assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
 # cycle. `AccumulatingOptimizer` does not trust the wrapper's check: when an update is
 # due, it checks **every replica's** accumulators in cross-replica context (no
 # collective); if any is non-finite, it **drops the cycle** — no update, accumulators
-# reset, `iterations` unchanged. The loss scale is not lowered, because the wrapper never
-# learned of the overflow. Under `AllReplicasFiniteLossScaleOptimizer` the bad micro-batch
+# reset, `iterations` unchanged, `skipped_updates` + 1. The loss scale is not lowered,
+# because the wrapper never learned of the overflow. Under `AllReplicasFiniteLossScaleOptimizer` the bad micro-batch
 # itself is skipped, the scale halves, and no cycle is lost.
 #
 # ## Takeaways

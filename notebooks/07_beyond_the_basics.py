@@ -322,8 +322,10 @@ right = [max(r, FLOOR) for _, _, r, _ in experiments]
 axis.barh(positions + 0.2, wrong, height=0.4, color="tab:red", label="the mistake")
 axis.barh(positions - 0.2, right, height=0.4, color="tab:green", label="the fix")
 for y_position, (_, _, r, fix) in zip(positions, experiments):
-    axis.text(max(r, FLOOR) * 1.5, y_position - 0.2, fix, va="center", fontsize=8)
+    axis.text(max(r, FLOOR) * 1.5, y_position - 0.2, fix + (" (exactly 0)" if r == 0 else ""),
+              va="center", fontsize=8)
 axis.axvline(1e-6, color="gray", linestyle=":", linewidth=1)
+axis.text(1.2e-6, positions[0] + 0.55, "1e-6", color="gray", fontsize=8)
 axis.set(xscale="log", xlim=(FLOOR, 10), yticks=positions,
          yticklabels=[name for name, _, _, _ in experiments],
          xlabel="difference from the big-batch result, relative (log; 0 at the left edge)")

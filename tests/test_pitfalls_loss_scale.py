@@ -96,6 +96,9 @@ def test_an_overflow_poisons_the_patched_accumulator_and_freezes_the_weights(str
     record = lsp.reproduce(strategy, "loss_scale_optimizer", micro_batches=6, overflow_step=3)
     assert record.patch_calls == 6
     assert record.accumulators_finite is False
+    states = record.accumulator_states
+    assert states[:2] == ("finite", "finite") and states[2] != "finite"  # the overflow enters
+    assert states[3:] == ("nan",) * 3  # the reset multiplies it by 0: nan, for good
     assert record.loss_scales == halvings_after(3, 6, every_step=True)
     assert record.iterations == (1, 2, 2, 2, 2, 2)  # every step after the overflow skipped
     assert record.weight_changes[0] == 0.0  # the "don't apply" step applies zeros
@@ -141,6 +144,19 @@ def test_default_scale_overflows_naturally_on_one_replica_and_the_patch_never_re
     assert patched.weight_changes == (0.0,) * 6
     assert patched.loss_scales == tuple(S / 2**k for k in range(1, 7))
     assert patched.accumulators_finite is False
+
+
+def test_reproduce_installs_the_patch_with_the_given_installer(strategy1):
+    seen = []
+
+    def install(optimizer, n, trainable_variables, target):
+        seen.append((type(optimizer).__name__, n, target))
+        return lsp.patch_optimizer(optimizer, n, trainable_variables, target)
+
+    record = lsp.reproduce(strategy1, "loss_scale_optimizer", overflow_step=None,
+                           install=install)
+    assert seen == [("LossScaleOptimizer", 2, "loss_scale_optimizer")]
+    assert record.patch_calls == 6 and record.accumulator_states == ("finite",) * 6
 
 
 def test_compile_under_mixed_float16_adds_the_same_wrapper_by_itself(strategy1):

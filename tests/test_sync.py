@@ -135,6 +135,7 @@ def test_keras3_loss_object_divides_its_mean_by_the_replica_count(strategy2):
     assert record.loss_object_cross_replica_in_scope == 0.5  # the strategy in scope decides
     assert record.loss_object_without_strategy == 1.0
     assert record.reduction_none_sum == (8.0, 8.0)  # reduction=None: unscaled per example
+    assert record.sgd_step_vs_one_device.within()  # so the step needs no other scaling
 
 
 def test_keras3_loss_object_is_a_plain_mean_on_one_replica(strategy1):

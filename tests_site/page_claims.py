@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ast
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 from site_helpers import hooks
 
 PITFALLS = "distgrad.pitfalls"
@@ -65,7 +65,7 @@ def pitfall_sections(text: str) -> list[dict]:
         sections.append({
             "anchor": head.group("anchor"),
             "modules": set(re.findall(rf"`{re.escape(PITFALLS)}\.(\w+)`", body)),
-            "lessons": set(m.group("name") for m in _LESSON_LINK.finditer(body)),
+            "lessons": {m.group("name") for m in _LESSON_LINK.finditer(body)},
         })
     return sections
 

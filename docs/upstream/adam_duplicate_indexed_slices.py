@@ -1,7 +1,7 @@
 # Adam, one step, the same all-reduced embedding gradient: dense vs tf.IndexedSlices.
-import numpy as np
-import tensorflow as tf
 import keras
+import tensorflow as tf
+
 kind = "GPU" if len(tf.config.list_physical_devices("GPU")) >= 2 else "CPU"
 if kind == "CPU":  # fewer than 2 GPUs: split the CPU into 2 logical devices
     tf.config.set_logical_device_configuration(

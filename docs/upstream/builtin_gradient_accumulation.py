@@ -1,7 +1,8 @@
 # model.fit with SGD(gradient_accumulation_steps=2) under MirroredStrategy (2 replicas).
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
+
 kind = "GPU" if len(tf.config.list_physical_devices("GPU")) >= 2 else "CPU"
 if kind == "CPU":  # fewer than 2 GPUs: split the CPU into 2 logical devices
     tf.config.set_logical_device_configuration(

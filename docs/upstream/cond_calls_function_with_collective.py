@@ -1,5 +1,6 @@
 # TensorFlow only: a tf.cond branch that calls a tf.function containing an all-reduce.
 import tensorflow as tf
+
 kind = "GPU" if len(tf.config.list_physical_devices("GPU")) >= 2 else "CPU"
 if kind == "CPU":  # fewer than 2 GPUs: split the CPU into 2 logical devices
     tf.config.set_logical_device_configuration(
@@ -12,8 +13,11 @@ def all_reduce_once():  # cross-replica: one SUM all-reduce of 1.0 on every repl
     return strategy.reduce("MEAN", per_replica, axis=None)
 
 inline = tf.function(lambda: tf.cond(tf.constant(True), all_reduce_once, lambda: 0.0))
-inline_result = float(inline())  # 2.0: the SUM over 2 replicas
-print("all-reduce inline in the branch:", inline_result)
+inline_result = float(inline())  # 2.0: the SUM over 2 replicas, written in the branch
 nested = tf.function(all_reduce_once)
+nested_result = float(tf.function(lambda: nested())())  # 2.0: called from a tf.function
+in_loop_result = float(tf.function(lambda: tf.while_loop(  # 2.0: called from a loop body
+    lambda i, s: i < 1, lambda i, s: (i + 1, s + nested()), (0, 0.0))[1])())
+print("inline, from a tf.function, from a loop:", inline_result, nested_result, in_loop_result)
 in_branch = tf.function(lambda: tf.cond(tf.constant(True), nested, lambda: 0.0))
 in_branch()  # InvalidArgumentError: You must feed a value for placeholder tensor '.../Placeholder'

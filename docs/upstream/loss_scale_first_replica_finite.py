@@ -1,7 +1,7 @@
 # LossScaleOptimizer under MirroredStrategy: an overflow on replica 1 only is not skipped.
-import numpy as np
-import tensorflow as tf
 import keras
+import tensorflow as tf
+
 kind = "GPU" if len(tf.config.list_physical_devices("GPU")) >= 2 else "CPU"
 if kind == "CPU":  # fewer than 2 GPUs: split the CPU into 2 logical devices
     tf.config.set_logical_device_configuration(
@@ -16,7 +16,7 @@ with strategy.scope():
 def step(bad):  # replica `bad` gets an inf gradient, the other replica a finite one
     def replica_fn():
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-        optimizer.apply_gradients([(tf.where(replica == bad, np.inf, 1.0) * tf.ones([1]), v)])
+        optimizer.apply_gradients([(tf.where(replica == bad, float("inf"), 1.0) * tf.ones([1]), v)])
     strategy.run(replica_fn)
 step(0)
 inf_on_replica_0 = float(v.numpy()[0])  # 1.0: the step was skipped

@@ -27,11 +27,10 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
     `LossScaleOptimizer`; it composes with accumulation as
     `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner, k))`.
 
-    Args:
-        inner_optimizer: the optimizer that makes the update (`keras.optimizers.*`).
-        initial_scale: the loss scale to start from (Keras' default 2**15).
-        dynamic_growth_steps: finite steps after which the scale doubles.
-        **kwargs: as for `keras.mixed_precision.LossScaleOptimizer`.
+    It takes the constructor arguments of Keras' `LossScaleOptimizer`: `inner_optimizer`
+    (the optimizer that makes the update), `initial_scale` (default 2**15),
+    `dynamic_growth_steps` (finite steps after which the scale doubles) and its
+    keyword arguments.
 
     State: that of `LossScaleOptimizer` (`dynamic_scale`, its step counter and the
     inner optimizer's variables); nothing is added.

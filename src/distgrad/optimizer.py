@@ -4,20 +4,14 @@
                                                   accumulation_steps=4), loss=...)
 
 This file imports only TensorFlow and Keras: copy it into a project and use it alone.
-
-Why the shape: "update every k-th call" needs a branch around the inner optimizer's sync
-points (`merge_call`), which MirroredStrategy refuses inside a replica-context `tf.cond`
-(keras-team/keras#20582); so the branch is taken in cross-replica context, as in Keras'
-`LossScaleOptimizer._tf_apply` (`_cross_replica_step`). Without `merge_call` (no strategy;
-XLA on GPUs) it is a replica-context `tf.cond` (`_end_cycle_in_replica_context`).
+Why it branches in cross-replica context: see `_cross_replica_step` (keras-team/keras#20582).
 """
 
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
-# The test MirroredExtended._use_merge_call makes too: is the step being XLA-compiled?
-from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
 
 CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 NON_FINITE_POLICIES = ("raise", "skip")
@@ -34,11 +28,6 @@ def _describe(strategy) -> str:
     return f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)"
 
 
-def _accumulator_dtype(dtype) -> str:
-    # Summing k float16/bfloat16 gradients in their own dtype loses the small ones.
-    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
-
-
 def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) -> None:
     if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
             or accumulation_steps < 1):
@@ -47,91 +36,62 @@ def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) ->
     if non_finite not in NON_FINITE_POLICIES:
         raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
     if kwargs:
-        raise ValueError(f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on "
-                         "the inner optimizer (clipping is then applied by the wrapper to the "
-                         "accumulated, all-reduced gradient; weight decay once per update).")
-    if isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        if getattr(inner_optimizer, "gradient_accumulation_steps", None):
-            raise ValueError(
-                "The inner optimizer has gradient_accumulation_steps="
-                f"{inner_optimizer.gradient_accumulation_steps}; AccumulatingOptimizer does the "
-                "accumulation. Create the inner optimizer without it and pass "
-                "accumulation_steps= to AccumulatingOptimizer.")
-        return
-    if isinstance(inner_optimizer, str):
-        raise TypeError(f"AccumulatingOptimizer wraps an optimizer instance, got the string "
-                        f"{inner_optimizer!r}. Pass keras.optimizers.get({inner_optimizer!r}).")
-    module = type(inner_optimizer).__module__
-    if isinstance(inner_optimizer, tf.compat.v1.train.Optimizer):
-        hint = "tf.compat.v1 optimizers (tf.compat.v1.train.*) are TF1 optimizers"
-    elif module.startswith(("tf_keras", "keras.optimizers.legacy")) or ".optimizer_v2" in module:
-        hint = "legacy tf-keras optimizers are not Keras 3 optimizers"
-    else:
-        hint = f"{type(inner_optimizer).__name__} (from {module}) is not one"
-    raise TypeError(
-        f"AccumulatingOptimizer needs a Keras 3 optimizer (a keras.optimizers.Optimizer); "
-        f"{hint}. Use the Keras 3 equivalent, e.g. keras.optimizers.SGD / Adam / AdamW.")
+        raise ValueError(f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on the "
+                         "inner optimizer (the wrapper then clips the all-reduced gradient).")
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        kind = type(inner_optimizer)
+        fix = (f"keras.optimizers.get({inner_optimizer!r})" if isinstance(inner_optimizer, str)
+               else "e.g. keras.optimizers.SGD / Adam / AdamW")
+        raise TypeError(f"AccumulatingOptimizer wraps a Keras 3 optimizer instance, got "
+                        f"{kind.__name__} from {kind.__module__} (tf.compat.v1 optimizers and "
+                        f"legacy tf-keras ones are not Keras 3 optimizers). Pass {fix}.")
+    if getattr(inner_optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(f"The inner optimizer has gradient_accumulation_steps="
+                         f"{inner_optimizer.gradient_accumulation_steps}: create it without, and "
+                         "pass accumulation_steps= to AccumulatingOptimizer, which accumulates.")
 
 
 @keras.saving.register_keras_serializable(package="distgrad")
 class AccumulatingOptimizer(keras.optimizers.Optimizer):
     """Accumulate `accumulation_steps` micro-batch gradients, then update `inner_optimizer`.
 
-    Every k-th call of `apply_gradients` makes one update of the inner optimizer with
-    the *mean* of the k accumulated micro-batch gradients. Works in `model.fit` and in
-    custom loops (`apply_gradients` inside `strategy.run`), under `MirroredStrategy`,
-    without a strategy, and on TensorFlow's no-merge-call path (XLA). Create it, the
-    model and the inner optimizer under the `strategy.scope()` they train in.
+    Every k-th call of `apply_gradients` updates the inner optimizer with the *mean* of the
+    k accumulated gradients: in `fit` and custom loops, under `MirroredStrategy`, without a
+    strategy or `merge_call` (XLA). Create it under the scope the model trains in.
 
     Args:
-        inner_optimizer: the Keras 3 optimizer that makes the updates. Its `clipnorm`,
-            `global_clipnorm` and `clipvalue` move to the wrapper, which applies them to
-            the all-reduced accumulated gradient (Keras clips each replica's part).
+        inner_optimizer: the Keras 3 optimizer that updates. Its clipping options move to
+            the wrapper, which clips the all-reduced gradient (Keras: each replica's part).
         accumulation_steps: k, the micro-batches per update (`1` updates every call).
-        non_finite: a cycle whose gradients are NaN/Inf on any replica, in float32
-            without loss scaling. "raise" (default): the call that ends it fails with
-            `tf.errors.InvalidArgumentError` naming the update and micro-step; nothing
-            is applied, the accumulators keep their sums. "skip": the cycle is dropped
-            (accumulators zeroed, no update) and counted in `skipped_updates`. Under a
-            `LossScaleOptimizer` it is always skipped and counted: an overflow is the
-            loss scale's business (Keras' wrapper checks replica 0 only, so an
-            overflow on another replica reaches the accumulators).
+        non_finite: a cycle with NaN/Inf gradients on any replica (float32, no loss
+            scaling). "raise" (default): the call ending it fails with
+            `tf.errors.InvalidArgumentError` naming the update and micro-step, nothing
+            applied, accumulators kept. "skip": no update, accumulators zeroed, counted in
+            `skipped_updates`. Under a `LossScaleOptimizer` it is always skipped and
+            counted: overflows are the loss scale's business.
         name: optimizer name.
 
-    State (optimizer variables: saved by `model.save` and `tf.train.Checkpoint`):
-        total_micro_steps: micro-batches accumulated since creation, never reset (one
-            a `LossScaleOptimizer` skipped is not counted).
-        micro_steps: micro-batches of the current cycle, `0 <= n < k`; an update,
-            `flush()` and `discard()` set it to 0.
+    State (optimizer variables, saved by `model.save` and `tf.train.Checkpoint`):
+        total_micro_steps: micro-batches accumulated, never reset (a `LossScaleOptimizer`
+            skip is not one). micro_steps: those of the current cycle, `0 <= n < k`.
         skipped_updates: cycles dropped as non-finite.
-        accumulators: one replica-local (ON_READ, SUM) float32 sum per trainable
-            variable (float64 for float64 ones); a checkpoint holds their sum over
-            replicas, so it does not depend on the replica count.
-        iterations: the inner optimizer's counter: *updates*, which learning-rate
-            schedules, Adam's bias correction and EMA count.
+        accumulators: replica-local (ON_READ, SUM) float32 sums (float64 for float64
+            variables); a checkpoint holds their sum over replicas.
+        iterations: the inner optimizer's: updates (schedules, Adam, EMA count those).
 
-    Invariants:
-        * After `n * k` calls the model equals `n` inner updates with the mean gradient
-          of each k micro-batches: with Keras' loss scaling, `n` steps on k-times
-          larger batches. Weight decay runs once per update.
-        * One gradient all-reduce per update, none on the other calls (one more with
-          clipping; on the no-merge-call path with 2+ replicas one more of a single
-          element: the finiteness flags).
-        * Non-finite gradients never reach the weights: every replica's accumulators
-          are checked when a cycle ends.
-        * An incomplete cycle carries on: at the end of an epoch (of `fit` or of a
-          custom loop) the next micro-batches complete it. `flush()` applies it now,
-          `discard()` drops it (in `fit`: `distgrad.callbacks.AccumulationCallback`).
+    Invariants: `n * k` calls equal `n` inner updates with the mean gradient of each k
+    micro-batches (with Keras' loss scaling, `n` steps on k-times larger batches). One
+    gradient all-reduce per update, none on other calls (one more with clipping; one of one
+    element without merge_call on 2+ replicas: every replica's finiteness flag). An
+    incomplete cycle carries on into the next epoch; `flush()` applies it now, `discard()`
+    drops it (`distgrad.callbacks.AccumulationCallback`).
 
     Raises:
-        ValueError: `accumulation_steps` not an integer >= 1; `non_finite` not "raise"
-            or "skip"; an inner optimizer with `gradient_accumulation_steps`;
-            base-optimizer arguments (clipping, weight decay, EMA, ...) given to the
-            wrapper; (first step) `non_finite="raise"` in an XLA-compiled step.
-        TypeError: `inner_optimizer` is not a Keras 3 optimizer (a string, a
-            `tf.compat.v1` optimizer, a legacy tf-keras optimizer).
-        RuntimeError: (`build` / `apply`) the wrapper, the inner optimizer and the
-            call are not all under the same distribution strategy.
+        ValueError: bad `accumulation_steps` / `non_finite`; an inner optimizer with
+            `gradient_accumulation_steps`; clipping, weight decay, EMA... given to the
+            wrapper; (first step) "raise" in an XLA-compiled step, which cannot raise.
+        TypeError: `inner_optimizer` is not a Keras 3 optimizer.
+        RuntimeError: (`build` / `apply`) not all under the same distribution strategy.
         tf.errors.InvalidArgumentError: (run time) a non-finite cycle under "raise".
     """
 
@@ -142,8 +102,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
         self.non_finite = non_finite
-        self._built_under = None
-        self._under_loss_scaling = False
+        self._built_under, self._under_loss_scaling = None, False
+        self.micro_steps = self.skipped_updates = None  # variables, created by `build`
         for option in CLIP_OPTIONS:
             setattr(self, option, getattr(inner_optimizer, option))
             setattr(inner_optimizer, option, None)
@@ -155,20 +115,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     @property
     def total_micro_steps(self):
-        """Micro-batches accumulated since creation, a variable (never reset)."""
-        # BaseOptimizer's own `iterations` variable, reused: it already exists,
-        # is checkpointed, and is updated with ONLY_FIRST_REPLICA aggregation.
+        """Micro-batches accumulated since creation, a variable (BaseOptimizer's own
+        `iterations`, reused: checkpointed, ONLY_FIRST_REPLICA), never reset."""
         return self._iterations
-
-    @property
-    def micro_steps(self):
-        """Micro-batches accumulated in the current cycle, `0 <= n < k` (a variable)."""
-        return self._micro_steps
-
-    @property
-    def skipped_updates(self):
-        """Cycles dropped because their gradients were non-finite (a variable)."""
-        return self._skipped_updates
 
     @property
     def learning_rate(self):
@@ -176,9 +125,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
-        if "inner_optimizer" not in self.__dict__:
-            return  # BaseOptimizer.__init__ sets it before the inner optimizer exists
-        self.inner_optimizer.learning_rate = learning_rate
+        if "inner_optimizer" in self.__dict__:  # BaseOptimizer.__init__ sets it earlier
+            self.inner_optimizer.learning_rate = learning_rate
 
     @property
     def loss_scale_factor(self):
@@ -187,16 +135,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     @loss_scale_factor.setter
     def loss_scale_factor(self, value):
-        # Keras' LossScaleOptimizer sets this to None when it wraps us, to stop double
-        # scaling: the factor is the inner optimizer's, and non-finite cycles are from
-        # then on the loss scale's business (see `non_finite`).
+        # Keras' LossScaleOptimizer sets None when it wraps us (no double scaling): from
+        # then on non-finite cycles are the loss scale's business (see `non_finite`).
         inner = self.__dict__.get("inner_optimizer")
         if inner is not None:
             inner.loss_scale_factor = value
             self._under_loss_scaling = value is None
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
 
     @property
     def variables(self):
@@ -208,8 +152,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         return list(self._accumulators)
 
     def build(self, var_list):
-        """Create the accumulators and counters, build the inner optimizer (RuntimeError
-        unless under the strategy the wrapper and the inner optimizer were created under)."""
+        """Create accumulators and counters; RuntimeError unless under the strategy the
+        wrapper and the inner optimizer were created in."""
         if self.built:
             return
         strategy = tf.distribute.get_strategy()
@@ -218,29 +162,27 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                                    ("its inner optimizer", inner_strategy)):
             if created_under is not strategy:
                 raise RuntimeError(
-                    f"{who} was created under {_describe(created_under)} but is being "
-                    f"built under {_describe(strategy)}. Its step counters would not be "
-                    "mirrored variables, and the update count would be wrong. Create the "
-                    "model, the inner optimizer and the AccumulatingOptimizer inside the "
-                    "same `with strategy.scope():` block.")
+                    f"{who} was created under {_describe(created_under)} but is built under "
+                    f"{_describe(strategy)}: its counters would not be mirrored and would count "
+                    "wrong. Create the model, the inner optimizer and the AccumulatingOptimizer "
+                    "inside the same `with strategy.scope():` block.")
         super().build(var_list)
         accumulators = []
         with keras.name_scope(self.name, caller=self):
             for variable in var_list:
                 name = getattr(variable, "path", variable.name).replace("/", "_")
-                # `add_variable` cannot set `synchronization`, hence keras.Variable and
-                # the (private) `_track_variable` that `add_variable` itself uses.
+                # float32: k float16 gradients summed in float16 lose the small ones. ON_READ
+                # + SUM: each replica adds to its own copy without communicating; a cross-
+                # replica read is the sum. (`add_variable` cannot set `synchronization`.)
+                dtype = ("float64" if keras.backend.standardize_dtype(variable.dtype)
+                         == "float64" else "float32")
                 accumulator = keras.Variable(
-                    initializer="zeros", shape=variable.shape,
-                    dtype=_accumulator_dtype(variable.dtype), trainable=False,
-                    autocast=False,
-                    # ON_READ + SUM: each replica adds to its own copy without
-                    # communicating; a cross-replica read gives the sum over replicas.
-                    synchronization="on_read", aggregation="sum",
+                    initializer="zeros", shape=variable.shape, dtype=dtype, trainable=False,
+                    autocast=False, synchronization="on_read", aggregation="sum",
                     name=f"{name.replace(':', '_')}_accumulated_gradient")
                 self._track_variable(accumulator)
                 accumulators.append(accumulator)
-            self._micro_steps, self._skipped_updates = (
+            self.micro_steps, self.skipped_updates = (
                 self.add_variable((), initializer="zeros", dtype=self._iterations.dtype,
                                   aggregation="only_first_replica", name=counter)
                 for counter in ("micro_steps", "skipped_updates"))
@@ -250,27 +192,17 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._built_under = strategy
 
     def apply(self, grads, trainable_variables=None):
-        """Accumulate `grads`; on every k-th call, update the inner optimizer.
-
-        Replica context: inside `strategy.run` (as in `model.fit`) or without a
-        strategy. `grads` are this replica's gradients (Keras divides the loss by the
-        replica count); `None` gradients are skipped, `IndexedSlices` densified.
-
-        Raises:
-            ValueError: called in cross-replica context (under `strategy.scope()` but
-                outside `strategy.run`), or no gradient is given for any variable.
-            RuntimeError: called under another strategy than the one it was built under.
-        """
+        """Accumulate this replica's `grads` (`None` skipped, `IndexedSlices` densified);
+        on every k-th call, update. Replica context (inside `strategy.run`, as `fit` does,
+        or without a strategy): ValueError in cross-replica context or without any
+        gradient, RuntimeError under another strategy than the one it was built under."""
         grads = list(grads)
         if not grads:
             return
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When passing gradients without variables the optimizer must be "
-                    "built: call optimizer.build(model.trainable_variables) first.")
-            trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
+        if trainable_variables is None and not self.built:
+            raise ValueError("When passing gradients without variables the optimizer must be "
+                             "built: call optimizer.build(model.trainable_variables) first.")
+        trainable_variables = list(trainable_variables or self._trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -286,45 +218,22 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     grad = tf.convert_to_tensor(grad)
                 accumulator = self._accumulator_of(variable)
                 self.assign_add(accumulator, tf.cast(grad, accumulator.dtype))
-            if tf.__internal__.distribute.strategy_supports_no_merge_call():
-                self._end_cycle_in_replica_context(variables)  # no strategy, or XLA on GPUs
-            else:
-                tf.distribute.get_replica_context().merge_call(
-                    self._cross_replica_step, args=(variables,))
-
-    def apply_is_due(self):
-        """Boolean tensor: the micro-step just counted completes the cycle."""
-        return tf.equal(self._micro_steps, 0)
+            self._end_cycle(variables)
 
     def flush(self):
-        """Apply the incomplete cycle now, as the mean of its `micro_steps` micro-batches.
-
-        Nothing happens when `micro_steps` is 0; the non-finite policy applies. Call it
-        outside `strategy.run`: eagerly (e.g. in `on_epoch_end`) or at the top level of
-        a `tf.function` (ValueError otherwise).
-        """
+        """Apply the incomplete cycle, if any, as the mean of its `micro_steps` micro-batches
+        (non-finite policy included). Outside `strategy.run`: eagerly or atop a tf.function."""
         strategy = self._strategy_outside_run("flush")
-
-        def flush_on_replica():
-            variables = self._trainable_variables
-            if tf.__internal__.distribute.strategy_supports_no_merge_call():
-                self._end_cycle_in_replica_context(variables, flush=True)
-            else:
-                tf.distribute.get_replica_context().merge_call(
-                    self._cross_replica_step, args=(variables, True))
-            self._micro_steps.assign(0)
-
         if strategy is not None:
-            run = tf.function(strategy.run) if tf.executing_eagerly() else strategy.run
-            run(flush_on_replica)
+            (tf.function(strategy.run) if tf.executing_eagerly() else strategy.run)(
+                lambda: self._end_cycle(self._trainable_variables, flush=True))
 
     def discard(self):
-        """Drop the incomplete cycle: zero the accumulators and `micro_steps` (not
-        counted in `skipped_updates`). Call it outside `strategy.run`, like `flush`."""
+        """Drop the incomplete cycle (not a skipped update). Call it as `flush`."""
         if self._strategy_outside_run("discard") is not None:
             for accumulator in self._accumulators:
                 accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
-            self._micro_steps.assign(0)
+            self.micro_steps.assign(0)
 
     def _strategy_outside_run(self, what):
         if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
@@ -332,94 +241,83 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                              "strategy.run (in cross-replica context), e.g. eagerly.")
         return self._built_under if self.built else None
 
-    def _cycle_end(self, flush):
-        """(due, divisor): this call ends a cycle, of `divisor` micro-batches."""
-        if flush:  # the incomplete cycle, if there is one
-            return tf.greater(self._micro_steps, 0), tf.identity(self._micro_steps.value)
-        self._iterations.assign_add(1)
-        self._micro_steps.assign(tf.math.floormod(self._micro_steps + 1,
-                                                  self.accumulation_steps))
-        return self.apply_is_due(), self.accumulation_steps
+    def _end_cycle(self, variables, flush=False):
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            self._cross_replica_step(None, variables, flush)  # no strategy, or XLA on GPUs
+        else:
+            tf.distribute.get_replica_context().merge_call(
+                self._cross_replica_step, args=(variables, flush))
 
     def _cross_replica_step(self, distribution, variables, flush=False):
-        # Cross-replica context: runs once for all replicas, so the counters are
-        # incremented once and the predicate is one value.
-        due, divisor = self._cycle_end(flush)
+        # From merge_call, in cross-replica context: runs once for all replicas, so the
+        # counters are incremented once and the predicates are one value. Without
+        # merge_call (`distribution=None`) every replica runs it and takes the same branches.
+        if flush:  # the incomplete cycle, if there is one; micro_steps is zeroed at the end
+            due, divisor = tf.greater(self.micro_steps, 0), tf.identity(self.micro_steps.value)
+        else:
+            self._iterations.assign_add(1)
+            self.micro_steps.assign(tf.math.floormod(self.micro_steps + 1,
+                                                      self.accumulation_steps))
+            due, divisor = tf.equal(self.micro_steps, 0), self.accumulation_steps
 
-        def apply_on_replicas():
-            distribution.extended.call_for_each_replica(
-                self._apply_accumulated, args=(variables, divisor))
-
-        def drop_on_replicas():
-            if not self._raise_non_finite():
-                distribution.extended.call_for_each_replica(
-                    self._reset_accumulators, args=(variables,))
-                self._skipped_updates.assign_add(1)
+        def on_replicas(fn, *args):
+            return fn(*args) if distribution is None else (
+                distribution.extended.call_for_each_replica(fn, args=args))
 
         def finish_cycle():
             # Every replica's accumulators, not replica 0's: Keras' LossScaleOptimizer
             # checks replica 0 only, so an overflow elsewhere can be in here.
-            finite_per_replica = distribution.extended.call_for_each_replica(
-                self._local_accumulators_finite, args=(variables,))
-            finite = tf.reduce_all(tf.stack(
-                distribution.experimental_local_results(finite_per_replica)))
-            tf.cond(finite, apply_on_replicas, drop_on_replicas)
-
-        # As in LossScaleOptimizer._tf_apply: this cond must be in cross-replica
-        # context. A cond in replica context whose branch calls merge_call (the inner
-        # optimizer's all-reduce and variable updates do) is not supported by
-        # MirroredStrategy; from here, call_for_each_replica starts fresh replica
-        # threads inside the branch graph, where merge_call works again.
-        tf.cond(due, finish_cycle, lambda: None)
-
-    def _end_cycle_in_replica_context(self, variables, flush=False):
-        # No merge_call: every replica takes the same branches, so a collective may be
-        # inside them. A merge_call may not, and TensorFlow updates ONLY_FIRST_REPLICA
-        # variables (all counters) through one: they are updated after the cond.
-        due, divisor = self._cycle_end(flush)
-
-        def finish_cycle():
-            finite = self._local_accumulators_finite(variables)
-            context = tf.distribute.get_replica_context()
-            if context is not None and context.num_replicas_in_sync > 1:
-                # No cross-replica context to read the other replicas' flags in.
-                finite = tf.equal(context.all_reduce(
-                    tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)), 0.0)
+            finite = self._all_replicas_finite(on_replicas(self._local_accumulators_finite,
+                                                           variables), distribution)
 
             def apply_cycle():
-                self._apply_accumulated(variables, divisor)
+                on_replicas(self._apply_accumulated, variables, divisor)
                 return tf.constant(_APPLIED, tf.int64)
 
             def drop_cycle():
                 if not self._raise_non_finite():
-                    self._reset_accumulators(variables)
+                    on_replicas(self._reset_accumulators, variables)
                 return tf.constant(_SKIPPED, tf.int64)
 
             return tf.cond(finite, apply_cycle, drop_cycle)
 
+        # As in LossScaleOptimizer._tf_apply: with merge_call, this cond must be in
+        # cross-replica context. MirroredStrategy does not support a replica-context cond
+        # whose branch calls merge_call (the inner optimizer's updates do); from here,
+        # call_for_each_replica starts fresh replica threads inside the branch graph, where
+        # merge_call works again. Without merge_call, the branches may hold a collective but
+        # not a merge_call, through which TensorFlow updates ONLY_FIRST_REPLICA variables:
+        # the counters are updated after the cond.
         outcome = tf.cond(due, finish_cycle, lambda: tf.constant(_NOTHING, tf.int64))
-        for counter, value in ((self.inner_optimizer._iterations, _APPLIED),
-                               (self._skipped_updates, _SKIPPED)):
-            counter.assign_add(tf.cast(tf.equal(outcome, value), counter.dtype))
+        self.skipped_updates.assign_add(tf.cast(tf.equal(outcome, _SKIPPED), tf.int64))
+        if distribution is None:  # `_apply_accumulated` left this increment out
+            self.iterations.assign_add(tf.cast(tf.equal(outcome, _APPLIED), tf.int64))
+        if flush:
+            self.micro_steps.assign(0)
+
+    @staticmethod
+    def _all_replicas_finite(finite, distribution):
+        if distribution is not None:  # every replica's flag is visible here
+            return tf.reduce_all(tf.stack(distribution.experimental_local_results(finite)))
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return finite  # else no cross-replica context to read the flags in: all-reduce
+        return tf.equal(context.all_reduce(
+            tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)), 0.0)
 
     def _raise_non_finite(self):
-        """In the branch of a non-finite cycle: under "raise" (no loss scaling) add the
-        failing assertion and return True, else return False (the cycle is skipped)."""
+        # In a non-finite cycle's branch: True (and a failing assertion) unless skipped.
         if self.non_finite == "skip" or self._under_loss_scaling:
             return False
         if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             raise ValueError(
-                "AccumulatingOptimizer(non_finite='raise') cannot raise in an XLA-compiled "
-                "step: XLA compiles tf.debugging assertions out (Keras turns XLA on by "
-                "itself on a GPU without a strategy: jit_compile='auto'). Pass "
-                "non_finite='skip' and watch skipped_updates (AccumulationCallback puts "
-                "it in fit's logs), or compile with jit_compile=False.")
+                "AccumulatingOptimizer(non_finite='raise') cannot raise in an XLA-compiled step "
+                "(XLA compiles assertions out; Keras compiles with XLA on a GPU by itself): pass "
+                "non_finite='skip' and watch skipped_updates, or compile with jit_compile=False.")
         tf.debugging.Assert(False, [
-            "AccumulatingOptimizer: non-finite (NaN/Inf) gradients on some replica in the "
-            "cycle of update", self.iterations + 1, "which ends at micro-step",
-            self._iterations.value, "(total_micro_steps). Nothing was applied; the "
-            "accumulators keep their sums (discard() zeroes them). non_finite='skip' "
-            "drops such a cycle and counts it in skipped_updates."])
+            "AccumulatingOptimizer: NaN/Inf gradients on some replica in the cycle of update",
+            self.iterations + 1, "ending at micro-step", self._iterations.value,
+            "(total_micro_steps); nothing applied. non_finite='skip' would drop and count it."])
         return True
 
     def _local_accumulators_finite(self, variables):
@@ -440,68 +338,56 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                  for a, v in zip(accumulators, variables)]
         if any(getattr(self, option) for option in CLIP_OPTIONS):
             grads = self._clip_across_replicas(grads)
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._inner_update_without_counter(grads, variables)
-        else:
-            self.inner_optimizer.apply(grads, variables)
+        inner = self.inner_optimizer
+        if not tf.__internal__.distribute.strategy_supports_no_merge_call():
+            inner.apply(grads, variables)
+        else:  # BaseOptimizer.apply (keras/src/optimizers/base_optimizer.py) but its last
+            # line, `self._iterations.assign_add(1)`: a merge_call, refused in this
+            # replica-context cond; `_cross_replica_step` increments it after the cond.
+            grads, variables = inner._overwrite_variables_directly_with_gradients(
+                grads, variables)
+            if grads:
+                if inner.loss_scale_factor is not None:
+                    grads = [g / inner.loss_scale_factor for g in grads]
+                inner._backend_apply_gradients(grads, variables)
+                for variable in variables:
+                    if variable.constraint is not None:
+                        variable.assign(variable.constraint(variable))
         self._reset_accumulators(variables)
 
-    def _inner_update_without_counter(self, grads, variables):
-        # BaseOptimizer.apply (keras/src/optimizers/base_optimizer.py) but its last line,
-        # `self._iterations.assign_add(1)`: a merge_call, refused in this replica-context
-        # cond; `_end_cycle_in_replica_context` increments it after the cond.
-        inner = self.inner_optimizer
-        grads, variables = inner._overwrite_variables_directly_with_gradients(grads, variables)
-        if grads:
-            if inner.loss_scale_factor is not None:
-                grads = [g / inner.loss_scale_factor for g in grads]
-            inner._backend_apply_gradients(grads, variables)
-            for variable in variables:
-                if variable.constraint is not None:
-                    variable.assign(variable.constraint(variable))
-
     def _clip_across_replicas(self, local_grads):
-        # Clipping is not linear, so it needs the summed gradient: one extra
-        # all-reduce. The inner optimizer will SUM again; to make that SUM equal the
-        # clipped total exactly, replica 0 passes it and the others pass zeros.
+        # Clipping is not linear: it needs the summed gradient (one more all-reduce). The
+        # inner optimizer SUMs again, so replica 0 passes the clipped total, the others 0.
         context = tf.distribute.get_replica_context()
-        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, local_grads)
-        clipped = self._clip_gradients(summed)
-        replica_id = context.replica_id_in_sync_group
-        static_id = tf.get_static_value(replica_id)
-        if static_id is not None:
-            return clipped if int(static_id) == 0 else [tf.zeros_like(c) for c in clipped]
-        is_first = tf.equal(replica_id, 0)
+        clipped = self._clip_gradients(context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                          local_grads))
+        is_first = tf.equal(context.replica_id_in_sync_group, 0)
         return [tf.where(is_first, c, tf.zeros_like(c)) for c in clipped]
 
     def _accumulator_of(self, variable):
         return self._accumulators[self._get_variable_index(variable)]
 
     def _check_context(self):
-        strategy = tf.distribute.get_strategy()
-        if strategy is not self._built_under:
+        if tf.distribute.get_strategy() is not self._built_under:
             raise RuntimeError(
-                f"AccumulatingOptimizer was built under {_describe(self._built_under)} "
-                f"but apply_gradients is called under {_describe(strategy)}. Call it "
-                "inside strategy.run(...) of the strategy it was built under (model.fit "
-                "does this for you). To train under another strategy, create a new "
-                "model and optimizer inside that strategy's scope().")
+                f"AccumulatingOptimizer was built under {_describe(self._built_under)} but "
+                f"apply_gradients is called under {_describe(tf.distribute.get_strategy())}. "
+                "Call it inside strategy.run(...) of that strategy (model.fit does), or create "
+                "a new model and optimizer inside the other strategy's scope().")
         if tf.distribute.in_cross_replica_context():
-            raise ValueError(
-                "AccumulatingOptimizer.apply_gradients must be called in replica context: "
-                "inside strategy.run(step_fn, ...) (or through model.fit), not directly "
-                "under strategy.scope().")
+            raise ValueError("AccumulatingOptimizer.apply_gradients must be called in replica "
+                             "context: inside strategy.run(step_fn, ...) (or through "
+                             "model.fit), not directly under strategy.scope().")
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
         inner = keras.saving.serialize_keras_object(self.inner_optimizer)
-        # Give the clipping back to the inner optimizer's config: from_config moves it
-        # to the wrapper again, so a round trip reproduces this object.
+        # The clipping goes back to the inner config; from_config moves it here again.
         inner["config"].update({option: getattr(self, option) for option in CLIP_OPTIONS})
-        return {"name": self.name, "inner_optimizer": inner,
-                "accumulation_steps": self.accumulation_steps, "non_finite": self.non_finite}
+        return {"name": self.name, "inner_optimizer": inner, "non_finite": self.non_finite,
+                "accumulation_steps": self.accumulation_steps}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -78,8 +78,9 @@ class MixedFitRecord:
     `wrapper` / `wrapped` are the class names of `model.optimizer` and of what it
     wraps; `loss_scales[t]`, `iterations[t]` (updates), `total_micro_steps[t]`
     (micro-batches accumulated so far; = iterations without accumulation) and
-    `weights_finite[t]` are read after micro-batch t+1; `accumulator_dtypes` is None
-    without accumulation.
+    `weights_finite[t]` are read after micro-batch t+1; `accumulator_dtypes` and
+    `skipped_updates` (cycles `AccumulatingOptimizer` dropped as non-finite, at the end)
+    are None without accumulation.
     """
 
     replicas: int
@@ -90,6 +91,7 @@ class MixedFitRecord:
     total_micro_steps: tuple[int, ...]
     weights_finite: tuple[bool, ...]
     accumulator_dtypes: tuple[str, ...] | None
+    skipped_updates: int | None
     initial_weights: list
     final_weights: list
 
@@ -128,7 +130,8 @@ class LossScaleTrajectory(keras.callbacks.Callback):
 def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int | None = 2,
                         optimizer_factory=None, wrapper=None,
                         initial_scale: float | None = CONTROLLED_INITIAL_SCALE,
-                        dynamic_growth_steps: int = 2000) -> MixedFitRecord:
+                        dynamic_growth_steps: int = 2000,
+                        non_finite: str | None = None) -> MixedFitRecord:
     """`model.fit(x, y, batch_size)` of `tiny_model` under `mixed_float16` (shuffle off,
     one epoch).
 
@@ -138,6 +141,7 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
     `model.compile` as is, so Keras adds its own `LossScaleOptimizer` (default scale
     2**15); otherwise it is wrapped here in `wrapper` (default Keras'
     `LossScaleOptimizer`) with `initial_scale` and `dynamic_growth_steps`.
+    `non_finite` is passed to `AccumulatingOptimizer` when given (None: its default).
     """
     from distgrad.optimizer import AccumulatingOptimizer
 
@@ -147,7 +151,9 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
             model = tiny_model()
             optimizer = optimizer_factory()
             if accumulation_steps is not None:
-                optimizer = AccumulatingOptimizer(optimizer, accumulation_steps=accumulation_steps)
+                policy = {} if non_finite is None else {"non_finite": non_finite}
+                optimizer = AccumulatingOptimizer(optimizer, accumulation_steps=accumulation_steps,
+                                                  **policy)
             if initial_scale is not None:
                 wrapper_class = wrapper or keras.mixed_precision.LossScaleOptimizer
                 optimizer = wrapper_class(optimizer, initial_scale=initial_scale,
@@ -158,13 +164,15 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
         model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
                   callbacks=[trajectory])
     wrapped = model.optimizer.inner_optimizer
-    dtypes = None
+    dtypes = skipped = None
     if accumulation_steps is not None:
         dtypes = tuple(a.dtype for a in wrapped.accumulators)
+        skipped = int(np.asarray(wrapped.skipped_updates))
     return MixedFitRecord(
         replicas=strategy.num_replicas_in_sync, wrapper=type(model.optimizer).__name__,
         wrapped=type(wrapped).__name__, loss_scales=tuple(trajectory.scales),
         iterations=tuple(trajectory.iterations),
         total_micro_steps=tuple(trajectory.total_micro_steps),
         weights_finite=tuple(trajectory.weights_finite), accumulator_dtypes=dtypes,
+        skipped_updates=skipped,
         initial_weights=initial, final_weights=weights_of(model))

@@ -10,7 +10,8 @@ batch, and MirroredStrategy splits it as evenly as it can (7 examples on 2 repli
   replica's count * R (`nn_impl_distribute.py`): right when the batch splits evenly,
   wrong weights per replica otherwise (4 * 2 and 3 * 2 for 7 examples);
 * "counted": divide by the examples this step holds on all replicas,
-  `global_batch_size_of(per_example)` (one scalar all-reduce): right in every case.
+  `global_batch_size_of(per_example)` (one more, scalar, all-reduce): right in every
+  case.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ SCALINGS = ("fixed", "per_replica_times_r", "counted")
 
 
 def global_batch_size_of(per_example_loss):
-    """The examples of this step on all replicas: this replica's count, SUM-all-reduced.
+    """The examples of this step on all replicas (int32): this replica's count,
+    SUM-all-reduced.
 
     Call in replica context (inside `strategy.run`). Raises RuntimeError otherwise.
     """
     context = tf.distribute.get_replica_context()
     if context is None:
         raise RuntimeError("global_batch_size_of must be called inside strategy.run.")
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.shape(per_example_loss)[0])
+    # A float32 count goes through the same collective all-reduce as the gradients (an
+    # int32 one is gathered onto one device with AddN under MirroredStrategy).
+    local = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+    return tf.cast(context.all_reduce(tf.distribute.ReduceOp.SUM, local), tf.int32)
 
 
 def make_replica_step(scaling: str, global_batch_size: int):

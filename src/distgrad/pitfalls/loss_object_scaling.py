@@ -19,6 +19,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from distgrad.lab.compare import WeightDiff, weight_diff
+from distgrad.lab.data import regression_data
+from distgrad.lab.recipes import big_batch_reference, run_steps
+
 
 @dataclasses.dataclass(frozen=True)
 class LossObjectRecord:
@@ -28,6 +32,8 @@ class LossObjectRecord:
     `reduce_mean` (of the per-example losses), `compute_average_loss` (global batch),
     `reduction_none_sum` (sum of `MeanSquaredError(reduction=None)`, i.e. B/R). And the
     loss object called eagerly under `strategy.scope()` / with no strategy.
+    `sgd_step_vs_one_device`: one SGD step of the tutorial's replica step with the loss
+    object as its loss (regression data), against one big-batch step on one device.
     """
 
     replicas: int
@@ -38,6 +44,7 @@ class LossObjectRecord:
     reduction_none_sum: tuple
     loss_object_cross_replica_in_scope: float
     loss_object_without_strategy: float
+    sgd_step_vs_one_device: WeightDiff
 
 
 def reproduce(strategy, examples_per_replica: int = 8) -> LossObjectRecord:
@@ -61,6 +68,19 @@ def reproduce(strategy, examples_per_replica: int = 8) -> LossObjectRecord:
     with strategy.scope():
         in_scope = float(mse(y_true, y_pred))
     without = float(mse(y_true, y_pred))  # call `reproduce` outside any strategy scope
+
+    def replica_step(model, optimizer, x, y):
+        with tf.GradientTape() as tape:
+            loss = mse(y, model(x, training=True))  # no compute_average_loss
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    x, y = regression_data(global_batch)
+    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    step = run_steps(strategy, sgd, x, y, replica_step)
     return LossObjectRecord(replicas, global_batch, *local,
                             loss_object_cross_replica_in_scope=in_scope,
-                            loss_object_without_strategy=without)
+                            loss_object_without_strategy=without,
+                            sgd_step_vs_one_device=weight_diff(step.final,
+                                                               big_batch_reference(sgd, x, y)))
