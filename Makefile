@@ -33,7 +33,8 @@ lessons: install
 	mkdir -p $(EXECUTED) build
 	rm -f $(EXECUTED)/*.ipynb
 	cp notebooks/*.ipynb $(EXECUTED)/
-	$(PY) -m pytest --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) --overwrite -p no:cacheprovider \
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) --overwrite \
+	  -p no:cacheprovider \
 	  -n $(PYTEST_WORKERS) \
 	  $(EXECUTED) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 

@@ -40,7 +40,7 @@ strategy = distgrad.make_strategy()  # first: logical devices must exist before 
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
 
-from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+from distgrad.lab.display import show_code, show_environment, show_table
 
 show_environment(distgrad.environment_report(strategy))
 
@@ -51,7 +51,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weight_diff, weights_of
+from distgrad.lab.compare import (
+    OPTIMIZERS,
+    check_close,
+    mirrored_copies_agree,
+    weight_diff,
+    weights_of,
+)
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import count_collectives
 from distgrad.lab.recipes import big_batch_reference, run_steps
@@ -440,7 +446,7 @@ def clipped_train_step(model, optimizer, x, y):
 
 
 clipped = run_steps(strategy, sgd, x, y, clipped_train_step)
-clipping_sgd = lambda: keras.optimizers.SGD(0.1, global_clipnorm=CLIP_NORM)  # noqa: E731
+clipping_sgd = lambda: keras.optimizers.SGD(0.1, global_clipnorm=CLIP_NORM)
 fixed = check_close(clipped.final, big_batch_reference(clipping_sgd, x, y))
 clipped_ops = count_collectives(clipped.step_function, clipped.batch, replicas=R)
 print(f"clip after the sum vs one device SGD(global_clipnorm={CLIP_NORM}): "

@@ -48,7 +48,7 @@ strategy = distgrad.make_strategy()  # first: logical devices must exist before 
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
 
-from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+from distgrad.lab.display import show_code, show_environment, show_table
 
 show_environment(distgrad.environment_report(strategy))
 
@@ -62,8 +62,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
 
-from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close, update_ratio, updates
-from distgrad.lab.compare import weights_of
+from distgrad.lab.compare import (
+    OPTIMIZERS,
+    check_close,
+    check_not_close,
+    update_ratio,
+    updates,
+    weights_of,
+)
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import count_collectives, graph_op_types
 from distgrad.lab.recipes import big_batch_reference
@@ -403,7 +409,7 @@ for ax, (label, every) in zip(axes, schemes.items()):
     ax.scatter(reduce_at, np.full(len(reduce_at), 1.0), marker="v", s=60, color="#d62728")
     for n, at in enumerate(apply_at, start=1):
         ax.text(at, 0.3, str(n), ha="center", va="center", fontsize=8,
-                bbox=dict(boxstyle="circle,pad=0.2", fc="white", ec="black"))
+                bbox={"boxstyle": "circle,pad=0.2", "fc": "white", "ec": "black"})
     ax.set_yticks([2.0, 1.0, 0.3], ["micro-steps\n(all replicas)", "all-reduces", "updates"])
     ax.set_ylim(-0.1, 2.6)
     ax.set_title(f"{label}: {len(reduce_at)} all-reduces, {applies} updates", fontsize=9)
@@ -576,7 +582,7 @@ assert "must run in replica context" in str(misuse)
 
 # %%
 PASSES = 10
-slow_sgd = lambda: keras.optimizers.SGD(0.05)  # noqa: E731
+slow_sgd = lambda: keras.optimizers.SGD(0.05)
 accumulated = train(slow_sgd, 4, PASSES)
 naive = train(slow_sgd, 4, PASSES, divide_by=EXAMPLES // 4, apply_every_micro_step=True)
 start = tiny_model().get_weights()
@@ -591,9 +597,9 @@ curves = {"big batch, 1 device": [full_batch_loss(w) for w in big_batch],
           f"accumulated, k=4, R={R}": [full_batch_loss(w) for w in [start] + accumulated.weights],
           "naive: step every micro-batch": [full_batch_loss(w) for w in [start] + naive.weights]}
 fig, ax = plt.subplots(figsize=(6, 3.5))
-for (label, losses), style in zip(curves.items(), [dict(lw=4, alpha=0.4, marker="o"),
-                                                   dict(color="k", ls="--", marker="."),
-                                                   dict(marker="s", ms=3)]):
+for (label, losses), style in zip(curves.items(), [{"lw": 4, "alpha": 0.4, "marker": "o"},
+                                                   {"color": "k", "ls": "--", "marker": "."},
+                                                   {"marker": "s", "ms": 3}]):
     ax.plot(np.arange(PASSES + 1), losses, label=label, **style)
 ax.set_xlabel("passes over the big batch")
 ax.set_ylabel("full-batch loss")

@@ -474,16 +474,17 @@ assert (in_fit["sgd"].placement.every_call, in_fit["sgd"].placement.conditional)
 #
 # `distgrad.optimizer.AccumulatingOptimizer(inner_optimizer, accumulation_steps)` is the
 # same shape as a Keras 3 optimizer: its `apply` adds this replica's gradients to
-# replica-local float32 accumulators, then `merge_call`s into `_cross_replica_step`:
+# replica-local float32 accumulators, then (under `MirroredStrategy`) `merge_call`s into
+# `_cross_replica_step`:
 
 # %%
 show_code(AccumulatingOptimizer._cross_replica_step)
 
 # %% [markdown]
-# On the taken branch every replica runs `_apply_accumulated`: it divides by k (the mean,
-# so `model.fit`'s loss needs no change), clips if the inner optimizer was configured to,
-# and calls the inner optimizer's ordinary `apply`, whose SUM all-reduce is the only
-# gradient communication of the cycle:
+# On the taken branch every replica runs `_apply_accumulated`: it divides the sums by the
+# cycle's micro-step count, k (the mean, so `model.fit`'s loss needs no change), clips if
+# the inner optimizer was configured to, and hands the result to the inner optimizer,
+# whose SUM all-reduce is the only gradient communication of the cycle:
 
 # %%
 show_code(AccumulatingOptimizer._apply_accumulated)
@@ -545,8 +546,8 @@ show_code(mask_trick.QuestionMaskPatch)
 records = {name: mask_trick.reproduce(strategy, name, steps=STEPS, updates=UPDATES,
                                       micro_batch=MICRO_BATCH)
            for name in OPTIMIZERS}
-show_table(["optimizer", "mask trick vs big batch", "iterations",
-            "AccumulatingOptimizer vs big batch", "iterations "], [
+show_table(["optimizer", "mask trick vs big batch", "its iterations",
+            "AccumulatingOptimizer vs big batch", "its iterations"], [
     (name, f"{r.mask_vs_big_batch.max_abs:.2e}", r.mask_iterations,
      f"{r.accumulating_vs_big_batch.max_abs:.2e}", r.accumulating_iterations)
     for name, r in records.items()])

@@ -308,7 +308,8 @@ assert broken.error.type == "ValueError"
 assert broken.error.contains("Lengths of branch outputs of cond must match")
 assert broken.patch_traces[0]["context"] == "replica"
 assert broken.patch_traces[0]["kwargs"] == ["experimental_aggregate_gradients", "name"]
-print("the patched inner apply_gradients was traced with:", broken.patch_traces[0])
+print("the patched inner apply_gradients was traced in", broken.patch_traces[0]["context"],
+      "context, with the keyword arguments", broken.patch_traces[0]["kwargs"])
 print(*broken.error.message.strip().splitlines()[-3:], sep="\n")
 
 # %% [markdown]
@@ -413,7 +414,7 @@ for replicas_hit in [(1,), (0,)]:
 mb = 4 * R
 x, y = mixed.overflow_data(8, mb, None, R)
 auto = mixed.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)
-print(auto.wrapper, "(", auto.wrapped, ")", "accumulators:", auto.accumulator_dtypes)
+print(f"{auto.wrapper}({auto.wrapped}), accumulators:", ", ".join(auto.accumulator_dtypes))
 assert (auto.wrapper, auto.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
 assert auto.accumulator_dtypes == ("float32",) * 4
 rows = []
@@ -471,20 +472,30 @@ trajectories = {
     for name, wrapper in (("Keras LossScaleOptimizer", None),
                           ("AllReplicasFiniteLossScaleOptimizer",
                            AllReplicasFiniteLossScaleOptimizer))}
-fig, (ax_scale, ax_updates) = plt.subplots(1, 2, figsize=(11, 3.5))
+stock_run = trajectories["Keras LossScaleOptimizer"]
+safe = trajectories["AllReplicasFiniteLossScaleOptimizer"]
+# the micro-batch that ends the cycle holding replica 1's overflow, under Keras' wrapper
+closes = next(u for u in range(ONE_REPLICA_OUTLIER - 1, 16)
+              if stock_run.total_micro_steps[u] % 2 == 0)
+fig, (ax_scale, ax_updates) = plt.subplots(1, 2, figsize=(11, 3.6))
 steps = np.arange(1, 17)
-for name, record in trajectories.items():
-    ax_scale.step(steps, np.log2(record.loss_scales), where="post", label=name)
-    ax_updates.step(steps, record.iterations, where="post", label=f"{name}: updates")
+for (name, record), style in zip(trajectories.items(), ({"color": "C0", "lw": 5, "alpha": 0.35},
+                                                        {"color": "C1", "lw": 1.5})):
+    ax_scale.step(steps, np.log2(record.loss_scales), where="post", label=name, **style)
+    ax_updates.step(steps, record.iterations, where="post", label=f"updates, {name}", **style)
     ax_updates.step(steps, record.total_micro_steps, where="post", linestyle="--",
-                    label=f"{name}: micro-steps")
+                    label=f"micro-steps, {name}", **style)
+ax_updates.annotate("cycle dropped", (closes + 1, stock_run.iterations[closes]),
+                    (closes - 3, stock_run.iterations[closes] + 4), fontsize=8,
+                    arrowprops={"arrowstyle": "->"})
 for ax in (ax_scale, ax_updates):
     ax.axvline(ALL_REPLICAS_OUTLIER, color="gray", linestyle=":", label="outlier, all replicas")
     ax.axvline(ONE_REPLICA_OUTLIER, color="red", linestyle=":", label="outlier, replica 1")
     ax.set_xlabel("micro-batch")
 ax_scale.set_ylabel("log2(loss scale)")
 ax_updates.set_ylabel("count")
-ax_updates.legend(fontsize=7)
+ax_scale.legend(fontsize=7)
+ax_updates.legend(fontsize=6)
 fig.tight_layout()
 show_table(["wrapper", "skipped micro-batches", "dropped cycles", "updates",
             "total_micro_steps"], [
@@ -492,8 +503,6 @@ show_table(["wrapper", "skipped micro-batches", "dropped cycles", "updates",
      ", ".join(map(str, r.total_micro_steps))) for name, r in trajectories.items()])
 
 # %%
-stock_run = trajectories["Keras LossScaleOptimizer"]
-safe = trajectories["AllReplicasFiniteLossScaleOptimizer"]
 for record in (stock_run, safe):
     assert all(record.weights_finite)
     scales = (START,) + record.loss_scales
@@ -503,8 +512,6 @@ assert skipped(stock_run) == [ALL_REPLICAS_OUTLIER]  # replica 1's overflow is n
 assert skipped(safe) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
 assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2  # every cycle applied
 assert (safe.skipped_updates, stock_run.skipped_updates) == (0, 1)
-t = ONE_REPLICA_OUTLIER - 1
-closes = next(u for u in range(t, 16) if stock_run.total_micro_steps[u] % 2 == 0)
 assert stock_run.iterations[closes] == stock_run.iterations[closes - 1]  # ...its cycle dropped
 assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
 

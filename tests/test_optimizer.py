@@ -223,13 +223,14 @@ def test_tf_train_checkpoint_mid_accumulation_restores_under_another_replica_cou
 
 def test_get_config_round_trip_restores_steps_inner_optimizer_and_clipping():
     inner = keras.optimizers.Adam(0.01, global_clipnorm=1.5)
-    optimizer = AccumulatingOptimizer(inner, accumulation_steps=3)
+    optimizer = AccumulatingOptimizer(inner, accumulation_steps=3, non_finite="skip")
     config = keras.saving.serialize_keras_object(optimizer)
     assert config["registered_name"] == "distgrad>AccumulatingOptimizer"
-    assert set(config["config"]) == {"name", "inner_optimizer", "accumulation_steps"}
+    assert set(config["config"]) == {"name", "inner_optimizer", "accumulation_steps",
+                                     "non_finite"}
     restored = keras.saving.deserialize_keras_object(config)
     assert isinstance(restored, AccumulatingOptimizer)
-    assert restored.accumulation_steps == 3
+    assert (restored.accumulation_steps, restored.non_finite) == (3, "skip")
     assert restored.global_clipnorm == 1.5 and restored.inner_optimizer.global_clipnorm is None
     assert float(restored.learning_rate.numpy()) == pytest.approx(0.01)
     assert restored.get_config() == optimizer.get_config()

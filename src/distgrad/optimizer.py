@@ -133,13 +133,13 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         inner = self.__dict__.get("inner_optimizer")
         return None if inner is None else inner.loss_scale_factor
 
-    @loss_scale_factor.setter
-    def loss_scale_factor(self, value):
-        # Keras' LossScaleOptimizer sets None when it wraps us (no double scaling): from
-        # then on non-finite cycles are the loss scale's business (see `non_finite`).
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is not None:
-            inner.loss_scale_factor = value
+    def __setattr__(self, name, value):
+        # A wrapping LossScaleOptimizer sets `loss_scale_factor = None`: see `non_finite`.
+        # Not a property setter: Keras skips `self.x = v` when `self.x is v` already.
+        if name != "loss_scale_factor":
+            super().__setattr__(name, value)
+        elif "inner_optimizer" in self.__dict__:  # (BaseOptimizer.__init__ sets it first)
+            self.inner_optimizer.loss_scale_factor = value
             self._under_loss_scaling = value is None
 
     @property

@@ -20,10 +20,10 @@ if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
     raise ImportError("distgrad.pitfalls.legacy_clip_before_sync is tf-keras code: run it "
                       "through distgrad.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-from distgrad.lab.legacy import legacy_strategy  # noqa: E402
+from distgrad.lab.legacy import legacy_strategy
 
 OPTIMIZERS = {"SGD": lambda **kw: tf.keras.optimizers.SGD(**kw),
               "legacy.SGD": lambda **kw: tf.keras.optimizers.legacy.SGD(**kw)}
