@@ -311,6 +311,11 @@ assert broken.patch_traces[0]["kwargs"] == ["experimental_aggregate_gradients", 
 print("the patched inner apply_gradients was traced in", broken.patch_traces[0]["context"],
       "context, with the keyword arguments", broken.patch_traces[0]["kwargs"])
 print(*broken.error.message.strip().splitlines()[-3:], sep="\n")
+legacy_source = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
+                             "src/mixed_precision/loss_scale_optimizer.py").read_text()
+assert "smart_cond.smart_cond(" in legacy_source
+assert "should_apply_grads, apply_fn, do_not_apply_fn" in legacy_source
+assert "experimental_aggregate_gradients=False" in legacy_source
 
 # %% [markdown]
 # * **Patch on the wrapper** behaves as in Keras 3 (the same weight changes within the
@@ -357,8 +362,6 @@ tf_apply = inspect.getsource(loss_scale_optimizer.LossScaleOptimizer._tf_apply)
 excerpt = tf_apply[tf_apply.index("finite_per_replica ="):tf_apply.index("def apply_fn")]
 display(Code(excerpt.rstrip(), language="python"))
 assert "experimental_local_results(" in excerpt and ")[0]" in excerpt
-legacy_source = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
-                             "src/mixed_precision/loss_scale_optimizer.py").read_text()
 assert "grads_and_vars = self._optimizer.aggregate_gradients(grads_and_vars)" in legacy_source
 
 # %% [markdown]
@@ -403,7 +406,7 @@ for replicas_hit in [(1,), (0,)]:
 #
 # * **unscale, then accumulate**: the wrapper divides each micro-batch by the scale *it*
 #   was computed with before our `apply` adds it — the scale may change inside a cycle;
-# * **float32 accumulators**, whatever the variables' dtype (asserted below);
+# * **float32 accumulators** (asserted below);
 # * **a micro-batch the wrapper sees overflow is skipped before accumulation**: not added,
 #   not counted in `total_micro_steps`, loss scale halved, `iterations` unchanged; the cycle
 #   waits for k good micro-batches;

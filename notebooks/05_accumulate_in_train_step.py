@@ -151,7 +151,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     question, question_logs = one_step(question_model(), x16, y16, grad_accum=4)
     question_k1, _ = one_step(question_model(), x16, y16, grad_accum=1)
-deprecations = sorted({str(w.message).split(".")[0] for w in caught
+deprecations = sorted({str(w.message).split(". ")[0] for w in caught
                        if "deprecated" in str(w.message)})
 print("Keras warns:", *deprecations, sep="\n  ")
 assert deprecations == ["`model.compiled_loss()` is deprecated",

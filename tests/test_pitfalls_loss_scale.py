@@ -233,10 +233,12 @@ def test_legacy_patch_on_the_inner_optimizer_breaks_the_wrappers_cond(legacy_run
         assert record.patch_traces[0]["kwargs"] == ["experimental_aggregate_gradients", "name"]
 
 
-def test_legacy_inner_patch_that_returns_the_result_accumulates_and_skips_overflows(legacy_run):
+def test_legacy_inner_patch_that_returns_the_result_skips_overflows_but_is_still_the_mask(
+        legacy_run):
     record = legacy_run["patch on inner, returning the result"]
     assert record.error is None
     assert record.patch_calls == 5  # the overflowing micro-batch never reached it
+    assert record.iterations == (1, 2, 3, 4, 5, 6)  # an inner-optimizer step per micro-batch
     assert record.accumulators_finite and record.weights_finite
     assert record.loss_scales == halvings_after(3, 6, every_step=False)
     # window (1, 2) applied at 2; micro-batch 3 skipped; window (4, 5) applied at 5

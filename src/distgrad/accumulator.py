@@ -18,8 +18,13 @@ gradients is then exactly the mean gradient of the big batch.
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
+from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
+
+NON_FINITE_POLICIES = ("raise", "skip")
 
 
 class _Untracked:
@@ -43,6 +48,71 @@ def _accumulator_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
+def _no_output(fn, *args, **kwargs) -> None:  # a tf.cond branch: both return nothing
+    fn(*args, **kwargs)
+
+
+def apply_unless_non_finite(apply_fn, grads, non_finite: str, what: list, on_skip) -> None:
+    """Replica context: `apply_fn(grads)` unless some replica's `grads` hold NaN/Inf.
+
+    Every replica decides alike: from merge_call's cross-replica view of every replica's
+    flag, or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
+    step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + `what`)
+    before anything changes. `"skip"`: `on_skip()` runs instead, once (in cross-replica
+    context when there is one).
+
+    Raises:
+        ValueError: (trace time) "raise" in an XLA-compiled step (XLA compiles assertions
+            out); "skip" on 2+ replicas without merge_call (XLA on GPUs), where TensorFlow
+            cannot update a Keras optimizer inside a `tf.cond` (its ONLY_FIRST_REPLICA
+            `iterations` needs merge_call).
+    """
+    if non_finite not in NON_FINITE_POLICIES:
+        raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
+    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
+                                     for g in grads if g is not None]))
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
+    if non_finite == "raise":
+        if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError(
+                "non_finite='raise' cannot raise in an XLA-compiled step (XLA compiles "
+                "assertions out; Keras compiles with XLA on a GPU by itself): pass "
+                "non_finite='skip', or compile with jit_compile=False.")
+        if replicas > 1 and no_merge_call:
+            finite = tf.equal(context.all_reduce(
+                tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)), 0.0)
+        elif replicas > 1:
+            finite = context.merge_call(lambda distribution, flag: tf.reduce_all(
+                tf.stack(distribution.experimental_local_results(flag))), args=(finite,))
+        # The assertion gates every op `apply_fn` creates, merge_call's included (its
+        # cross-replica function runs under the replica threads' control dependencies).
+        with tf.control_dependencies([tf.debugging.Assert(finite, what)]):
+            apply_fn(grads)
+        return
+    if no_merge_call:
+        if replicas > 1:
+            raise ValueError(
+                "non_finite='skip' on several replicas without merge_call (TensorFlow's path "
+                "for XLA-compiled steps on GPUs) needs the optimizer update inside a tf.cond, "
+                "where TensorFlow cannot update a Keras optimizer's `iterations`. Wrap the "
+                "optimizer: distgrad's AccumulatingOptimizer(optimizer, accumulation_steps=1, "
+                "non_finite='skip') skips there; or compile with jit_compile=False.")
+        tf.cond(finite, lambda: _no_output(apply_fn, grads), lambda: _no_output(on_skip))
+        return
+
+    def cross_replica(distribution, finite, grads):
+        # As in Keras' LossScaleOptimizer._tf_apply: a cond whose branch updates a
+        # MirroredStrategy optimizer (merge_call) must be taken in cross-replica context.
+        tf.cond(tf.reduce_all(tf.stack(distribution.experimental_local_results(finite))),
+                lambda: _no_output(distribution.extended.call_for_each_replica, apply_fn,
+                                   args=(grads,)),
+                lambda: _no_output(on_skip))
+
+    context.merge_call(cross_replica, args=(finite, grads))
+
+
 class GradientAccumulator(tf.Module):
     """Replica-local gradient buffers for a list of variables, plus a micro-step counter.
 
@@ -55,6 +125,12 @@ class GradientAccumulator(tf.Module):
         variables: the variables gradients are accumulated for (usually
             `model.trainable_variables`), all created under the strategy in scope.
         name: module name.
+        non_finite: what `apply_gradients` does when the sums are NaN/Inf on any replica.
+            "raise" (default): `tf.errors.InvalidArgumentError` naming the update, before
+            anything changes (the buffers keep the sums; `reset()` zeroes them). "skip":
+            no update, buffers zeroed, counted in `skipped_updates` (and `make_apply_step`
+            warns). Without loss scaling; with a `LossScaleOptimizer` (whose overflows are
+            its own business) pass "skip", or the scaled overflows raise.
 
     State (tracked by `tf.train.Checkpoint(accumulator=...)`):
         accumulated: one `tf.Variable(synchronization=ON_READ, aggregation=SUM)` per
@@ -70,6 +146,12 @@ class GradientAccumulator(tf.Module):
             locally (no merge_call); a checkpoint saves replica 0's count.
         micro_steps: (property) micro-batches accumulated in the current cycle, read
             eagerly; `reset` and every apply set it to 0.
+        skipped_updates: mirrored int64, updates skipped as non-finite ("skip").
+
+    Epoch ends: the loop decides. An incomplete cycle stays in the buffers until the next
+    apply; `reset()` discards it, and an apply applies the sums as they are (with the loss
+    divided by the global batch of a whole update, a partial cycle of n micro-batches
+    gives n/k of their mean gradient: scale the loss by the micro-batches applied).
 
     Contract:
         * `add(grads)`: replica context only; one gradient (or `None`, skipped) per
@@ -84,16 +166,23 @@ class GradientAccumulator(tf.Module):
     Raises:
         ValueError: no variables; variables owned by another strategy than the one in
             scope; distributed variables but no strategy scope; non-distributed
-            variables inside a strategy scope; a wrong number or shape of gradients.
+            variables inside a strategy scope; a wrong number or shape of gradients; a
+            bad `non_finite`, or one TensorFlow cannot honour (`apply_unless_non_finite`).
         TypeError: a non-floating variable.
         RuntimeError: `add` / `apply_gradients` called in cross-replica context.
+        tf.errors.InvalidArgumentError: (run time) non-finite sums under "raise".
     """
 
-    def __init__(self, variables, name: str = "gradient_accumulator"):
+    def __init__(self, variables, name: str = "gradient_accumulator",
+                 non_finite: str = "raise"):
         super().__init__(name=name)
         variables = list(variables)
         if not variables:
             raise ValueError("GradientAccumulator needs at least one variable.")
+        if non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got "
+                             f"{non_finite!r}.")
+        self.non_finite = non_finite
         strategy = tf.distribute.get_strategy()
         in_scope = tf.distribute.has_strategy()
         for variable in variables:
@@ -136,6 +225,9 @@ class GradientAccumulator(tf.Module):
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
+            self.skipped_updates = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="skipped_updates",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         # Which positions ever received a gradient: a trace-time (Python) fact, the
         # same for every trace of a given model. Before any `add` has been traced
         # (e.g. a checkpoint restored and applied first) every position counts.
@@ -213,19 +305,32 @@ class GradientAccumulator(tf.Module):
         """Replica context: apply this replica's sums with `optimizer`, then reset.
 
         `optimizer.apply_gradients` all-reduces (SUM) the local sums: the one sync of
-        the update. Reads come before the reset (automatic control dependencies order
-        stateful ops on the same variable in program order).
+        the update (without merge_call on 2+ replicas, "raise" adds one all-reduce of
+        one element: the finiteness flags). Reads come before the reset (automatic
+        control dependencies order stateful ops on the same variable in program order).
+        Non-finite sums: see `non_finite`.
         """
         self._require_replica_context("apply_gradients")
         check = tf.debugging.assert_positive(
             self.micro_step_counter,
             message="GradientAccumulator: apply with zero accumulated micro-steps")
+
+        def apply_and_reset(grads):
+            optimizer.apply_gradients(zip(grads, self.model_variables))
+            self.reset()
+
+        def skip():
+            self.reset()
+            self.skipped_updates.assign_add(1)
+
         # Gate everything this replica creates (reads, all-reduce, the optimizer's
         # `iterations` increment, the reset) on the check: an Assert alone would fail
         # the call but let independent stateful ops run.
         with tf.control_dependencies([check]):
-            optimizer.apply_gradients(zip(self.gradients(), self.model_variables))
-            self.reset()
+            apply_unless_non_finite(apply_and_reset, self.gradients(), self.non_finite, [
+                "GradientAccumulator: NaN/Inf accumulated gradients on some replica at update",
+                optimizer.iterations + 1,
+                "(optimizer.iterations + 1); nothing applied, the buffers keep their sums."], skip)
 
     def make_apply_step(self, optimizer):
         """A Python callable that applies once per call: `apply_step()`.
@@ -237,7 +342,8 @@ class GradientAccumulator(tf.Module):
         `tf.function` (for `count_collectives`).
 
         Raises ValueError (at call time) when no micro-step was accumulated, and when
-        the optimizer was created outside the accumulator's strategy scope.
+        the optimizer was created outside the accumulator's strategy scope. Warns
+        (`UserWarning`) when a call skipped a non-finite update.
         """
         owner = getattr(optimizer, "_distribution_strategy", self._strategy)
         if owner is not self._strategy:
@@ -258,7 +364,11 @@ class GradientAccumulator(tf.Module):
                 raise ValueError(
                     "apply with zero accumulated micro-steps: call accumulator.add(...) "
                     "inside strategy.run at least once since the last apply/reset.")
+            skipped = int(self.skipped_updates.numpy())
             apply_function()
+            if int(self.skipped_updates.numpy()) > skipped:
+                warnings.warn(f"GradientAccumulator: update skipped, its gradients were NaN/Inf "
+                              f"on some replica ({skipped + 1} skipped so far).", stacklevel=2)
 
         apply_step.function = apply_function
         return apply_step

@@ -40,12 +40,12 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
           optimizer all-reduces them) and the scale may grow, as in Keras;
         * any replica's gradients non-finite: no replica applies anything, the scale
           halves; the decision is the same on every replica (read in cross-replica
-          context, where every replica's flag is visible: no extra collective; on the
-          no-merge-call path the flag is all-reduced with MIN).
+          context, where every replica's flag is visible: no extra collective).
         With one replica it behaves exactly like Keras' wrapper.
 
     Raises:
-        ValueError: `apply` called in cross-replica context.
+        ValueError: `apply` called in cross-replica context; (first step) 2+ replicas
+            without merge_call (XLA on GPUs), where no loss-scale update can run.
     """
 
     # Keras computes `finite` inside `_tf_apply` (private), and no public hook sees
@@ -60,13 +60,15 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
             if context is None or context.num_replicas_in_sync == 1:
                 self._common_apply(grads, trainable_variables=trainable_variables)
                 return
-            finite = context.all_reduce(
-                tf.distribute.ReduceOp.MIN, tf.cast(self.check_finite(grads), tf.float32)) > 0
-            keras.ops.cond(
-                finite,
-                lambda: self._stateful_handle_finite_grads(grads, trainable_variables),
-                self._stateful_handle_non_finite_grads)
-            return
+            # Keras' update is then a replica-context cond around the inner optimizer,
+            # whose `iterations` (ONLY_FIRST_REPLICA) TensorFlow updates through
+            # merge_call, which it refuses in a cond: fail here, naming the way out.
+            raise ValueError(
+                f"{type(self).__name__} cannot update on {context.num_replicas_in_sync} "
+                "replicas without merge_call (TensorFlow's path for XLA-compiled steps on "
+                "GPUs): Keras' loss-scale update is a replica-context tf.cond, in which "
+                "TensorFlow cannot update the inner optimizer's `iterations`. Keras' own "
+                "LossScaleOptimizer fails there too. Compile with jit_compile=False.")
 
         def _handle_cross_replica(distribution, grads, trainable_variables):
             finite_per_replica = distribution.extended.call_for_each_replica(

@@ -26,7 +26,9 @@ trainer.py`, `TensorFlowTrainer.train_step`):
   runs on every slice: a `Mean` over k equal slices is the `Mean` over the batch, so
   `fit`'s history equals plain `fit`'s.
 * **One all-reduce.** The loop body holds no `apply_gradients`, hence no `merge_call`
-  and no collective; no `tf.cond` surrounds the apply either.
+  and no collective; no `tf.cond` surrounds the apply either ("skip" adds one, in
+  cross-replica context).
+* **Epoch ends.** Every step is a whole update: nothing carries over.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ import warnings
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
+
+NON_FINITE_POLICIES = ("raise", "skip")
 
 
 def _check_count(name: str, value) -> None:
@@ -103,6 +108,72 @@ def _slice(structure, start, size):
         lambda t: None if t is None else t[start:start + size], structure)
 
 
+# The same two functions as in distgrad/accumulator.py (each file is copyable alone).
+def _no_output(fn, *args, **kwargs) -> None:  # a tf.cond branch: both return nothing
+    fn(*args, **kwargs)
+
+
+def apply_unless_non_finite(apply_fn, grads, non_finite: str, what: list, on_skip) -> None:
+    """Replica context: `apply_fn(grads)` unless some replica's `grads` hold NaN/Inf.
+
+    Every replica decides alike: from merge_call's cross-replica view of every replica's
+    flag, or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
+    step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + `what`)
+    before anything changes. `"skip"`: `on_skip()` runs instead, once (in cross-replica
+    context when there is one).
+
+    Raises:
+        ValueError: (trace time) "raise" in an XLA-compiled step (XLA compiles assertions
+            out); "skip" on 2+ replicas without merge_call (XLA on GPUs), where TensorFlow
+            cannot update a Keras optimizer inside a `tf.cond` (its ONLY_FIRST_REPLICA
+            `iterations` needs merge_call).
+    """
+    if non_finite not in NON_FINITE_POLICIES:
+        raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
+    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
+                                     for g in grads if g is not None]))
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
+    if non_finite == "raise":
+        if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError(
+                "non_finite='raise' cannot raise in an XLA-compiled step (XLA compiles "
+                "assertions out; Keras compiles with XLA on a GPU by itself): pass "
+                "non_finite='skip', or compile with jit_compile=False.")
+        if replicas > 1 and no_merge_call:
+            finite = tf.equal(context.all_reduce(
+                tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)), 0.0)
+        elif replicas > 1:
+            finite = context.merge_call(lambda distribution, flag: tf.reduce_all(
+                tf.stack(distribution.experimental_local_results(flag))), args=(finite,))
+        # The assertion gates every op `apply_fn` creates, merge_call's included (its
+        # cross-replica function runs under the replica threads' control dependencies).
+        with tf.control_dependencies([tf.debugging.Assert(finite, what)]):
+            apply_fn(grads)
+        return
+    if no_merge_call:
+        if replicas > 1:
+            raise ValueError(
+                "non_finite='skip' on several replicas without merge_call (TensorFlow's path "
+                "for XLA-compiled steps on GPUs) needs the optimizer update inside a tf.cond, "
+                "where TensorFlow cannot update a Keras optimizer's `iterations`. Wrap the "
+                "optimizer: distgrad's AccumulatingOptimizer(optimizer, accumulation_steps=1, "
+                "non_finite='skip') skips there; or compile with jit_compile=False.")
+        tf.cond(finite, lambda: _no_output(apply_fn, grads), lambda: _no_output(on_skip))
+        return
+
+    def cross_replica(distribution, finite, grads):
+        # As in Keras' LossScaleOptimizer._tf_apply: a cond whose branch updates a
+        # MirroredStrategy optimizer (merge_call) must be taken in cross-replica context.
+        tf.cond(tf.reduce_all(tf.stack(distribution.experimental_local_results(finite))),
+                lambda: _no_output(distribution.extended.call_for_each_replica, apply_fn,
+                                   args=(grads,)),
+                lambda: _no_output(on_skip))
+
+    context.merge_call(cross_replica, args=(finite, grads))
+
+
 class MicroBatching:
     """Mixin for `keras.Model`: `train_step` runs k micro-batches, then applies once.
 
@@ -112,9 +183,17 @@ class MicroBatching:
         accumulation_steps: k, the micro-batches each per-replica batch is split into
             (default 1: what Keras' own `train_step` computes). Also an attribute that
             can be changed between `fit` calls (the traced train function is dropped).
+        non_finite: a step whose summed gradients are NaN/Inf on any replica (float32).
+            "raise" (default): `tf.errors.InvalidArgumentError` naming the update, before
+            anything changes. "skip": no update, counted in `skipped_updates`, which
+            `fit`'s logs then show. An optimizer that handles non-finite gradients
+            itself decides instead: a `LossScaleOptimizer` (overflows are its business)
+            or one with a `non_finite` policy (distgrad's `AccumulatingOptimizer`).
 
-    State: none beyond Keras' own; the summed gradients are loop variables of one
-    step, so `fit` steps, callbacks, schedules and `iterations` count updates.
+    State: Keras' own, and `skipped_updates` (a mirrored int64 `tf.Variable`: saved by
+    `tf.train.Checkpoint(model=...)`, not a model weight). The summed gradients are loop
+    variables of one step, so `fit` steps, callbacks, schedules and `iterations` count
+    updates.
 
     Limits:
         * Exact equivalence needs Keras' default loss reduction `"sum_over_batch_size"`
@@ -131,12 +210,25 @@ class MicroBatching:
             and always under `jit_compile=True`, where XLA would compile the run-time
             check out and silently truncate a ragged batch.
         tf.errors.InvalidArgumentError: the same, at run time, for an unknown batch
-            size (typically a smaller last batch): use `drop_remainder=True`.
+            size (typically a smaller last batch): use `drop_remainder=True`; a
+            non-finite step under "raise".
+        ValueError: a bad `non_finite`, or one TensorFlow cannot honour there
+            (`apply_unless_non_finite`: "raise" under `jit_compile=True`, "skip" on 2+
+            replicas without merge_call).
     """
 
-    def __init__(self, *args, accumulation_steps: int = 1, **kwargs):
+    def __init__(self, *args, accumulation_steps: int = 1, non_finite: str = "raise",
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
+        if non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got "
+                             f"{non_finite!r}.")
+        self.non_finite = non_finite
+        # A tf.Variable, not a Keras one, so that it is not one of the model's weights.
+        self.skipped_updates = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="skipped_updates",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     @property
     def accumulation_steps(self) -> int:
@@ -215,9 +307,27 @@ class MicroBatching:
         )
         if trainable:
             gradients = [None if p in unconnected else g for p, g in enumerate(summed)]
-            # The only sync point of the step: the optimizer's SUM all-reduce.
-            self.optimizer.apply_gradients(zip(gradients, trainable))
-        return self.get_metrics_result()
+            self._apply_summed(gradients, trainable)
+        logs = self.get_metrics_result()
+        if self.non_finite == "skip":
+            logs["skipped_updates"] = tf.convert_to_tensor(self.skipped_updates)
+        return logs
+
+    def _apply_summed(self, gradients, trainable):
+        # The only sync point of the step: the optimizer's SUM all-reduce.
+        optimizer = self.optimizer
+
+        def apply(grads):
+            optimizer.apply_gradients(zip(grads, trainable))
+
+        if (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                or getattr(optimizer, "non_finite", None) is not None):
+            apply(gradients)  # the optimizer's own policy decides
+            return
+        apply_unless_non_finite(apply, gradients, self.non_finite, [
+            "MicroBatching: NaN/Inf summed gradients on some replica at update",
+            optimizer.iterations + 1, "(optimizer.iterations + 1); nothing was applied."],
+            lambda: self.skipped_updates.assign_add(1))
 
 
 @keras.saving.register_keras_serializable(package="distgrad")
@@ -231,12 +341,14 @@ class MicroBatchingModel(MicroBatching, keras.Model):
     """
 
 
-def with_micro_batches(model: keras.Model, accumulation_steps: int) -> MicroBatchingModel:
+def with_micro_batches(model: keras.Model, accumulation_steps: int,
+                       non_finite: str = "raise") -> MicroBatchingModel:
     """A `MicroBatchingModel` over the layers of a built functional/Sequential `model`.
 
     The new model shares `model`'s layers and weights (same order of
     `trainable_variables`). Build it under the strategy scope the weights were
     created in. Subclassed models have no symbolic inputs: use the mixin instead.
+    `non_finite` is `MicroBatching`'s.
 
     Raises ValueError if `model` has no symbolic inputs/outputs.
     """
@@ -250,4 +362,5 @@ def with_micro_batches(model: keras.Model, accumulation_steps: int) -> MicroBatc
             "unbuilt model). Build it with keras.Input, or subclass "
             "`class MyModel(MicroBatching, keras.Model)`."
         )
-    return MicroBatchingModel(inputs, outputs, accumulation_steps=accumulation_steps)
+    return MicroBatchingModel(inputs, outputs, accumulation_steps=accumulation_steps,
+                              non_finite=non_finite)
