@@ -44,7 +44,7 @@ import distgrad
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 
-from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+from distgrad.lab.display import show_code, show_environment, show_table
 
 show_environment(distgrad.environment_report(strategy))
 
@@ -513,7 +513,7 @@ for run in (packaged_fit, loop):
 # replica's partial gradient), paying one extra all-reduce per update:
 
 # %%
-clipped = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)  # noqa: E731
+clipped = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)
 clip_reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
 clip_run = fit_run(strategy, lambda: AccumulatingOptimizer(clipped(), STEPS), x, y, MICRO_BATCH)
 placement = fit_step_placement(clip_run.model, x, y, MICRO_BATCH)

@@ -43,7 +43,7 @@ import distgrad
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 
-from distgrad.lab.display import show_environment, show_table  # noqa: E402
+from distgrad.lab.display import show_environment, show_table
 
 show_environment(distgrad.environment_report(strategy))
 
@@ -309,7 +309,7 @@ assert broken.error.contains("Lengths of branch outputs of cond must match")
 assert broken.patch_traces[0]["context"] == "replica"
 assert broken.patch_traces[0]["kwargs"] == ["experimental_aggregate_gradients", "name"]
 print("the patched inner apply_gradients was traced in", broken.patch_traces[0]["context"],
-      "context, with the keyword arguments", broken.patch_traces[0]["kwargs"])
+      "context,\n  with the keyword arguments", broken.patch_traces[0]["kwargs"])
 print(*broken.error.message.strip().splitlines()[-3:], sep="\n")
 legacy_source = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
                              "src/mixed_precision/loss_scale_optimizer.py").read_text()
@@ -432,7 +432,7 @@ show_table(["8 micro-batches, k = 2", "vs 4 big-batch steps", "iterations"], row
 
 # %%
 x6, y6 = mixed.overflow_data(6, mb, None, R)
-growing = lambda inner, **kw: keras.mixed_precision.LossScaleOptimizer(  # noqa: E731
+growing = lambda inner, **kw: keras.mixed_precision.LossScaleOptimizer(
     inner, **{**kw, "dynamic_growth_steps": 1})  # the scale doubles after every micro-batch
 fixed = mixed.mixed_precision_fit(strategy, x6, y6, mb, 2, lambda: keras.optimizers.SGD(0.2),
                                   initial_scale=16, dynamic_growth_steps=1)
@@ -454,9 +454,9 @@ print("the question's patch on the wrapper vs big batch:",
 # Sixteen micro-batches, k = 2, the scale starting low and doubling after every 4 good
 # micro-batches, and two outliers: at micro-batch 8 on **every** replica, at micro-batch
 # 12 on **replica 1 only** — once under Keras' wrapper, once under
-# `AllReplicasFiniteLossScaleOptimizer`. `AccumulatingOptimizer(...,
-# non_finite="skip")` drops a cycle whose accumulators are non-finite on any replica and
-# counts it in `skipped_updates`.
+# `AllReplicasFiniteLossScaleOptimizer`. Under a loss-scale wrapper, `AccumulatingOptimizer`
+# drops a cycle whose accumulators are non-finite on any replica and counts it in
+# `skipped_updates`, whatever its `non_finite` policy (its default is asserted here).
 
 # %%
 def skipped(record):
@@ -471,7 +471,7 @@ _, y_one = mixed.overflow_data(16, mb, ONE_REPLICA_OUTLIER, R, overflow_replicas
 y16 = np.maximum(y16, y_one)  # both outliers (OUTLIER_TARGET is the largest target)
 trajectories = {
     name: mixed.mixed_precision_fit(strategy, x16, y16, mb, 2, initial_scale=START,
-                                    dynamic_growth_steps=4, wrapper=wrapper, non_finite="skip")
+                                    dynamic_growth_steps=4, wrapper=wrapper)
     for name, wrapper in (("Keras LossScaleOptimizer", None),
                           ("AllReplicasFiniteLossScaleOptimizer",
                            AllReplicasFiniteLossScaleOptimizer))}

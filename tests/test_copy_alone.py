@@ -11,7 +11,7 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
 REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
-                   "clipping.py", "normalization.py", "sparse.py")
+                   "callbacks.py", "clipping.py", "normalization.py", "sparse.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
 
 
@@ -48,3 +48,16 @@ def test_the_base_install_is_the_reference_package_only():
     names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
     assert names == {"tensorflow", "keras", "numpy"}
     assert {"course", "docs", "test", "legacy", "bench"} <= set(project["optional-dependencies"])
+
+
+def test_the_non_finite_policy_is_the_same_function_in_both_files_that_need_it():
+    # Copyable alone means written twice: the two copies must not drift apart.
+    def functions(name):
+        tree = ast.parse((SRC / name).read_text())
+        return {node.name: ast.dump(node) for node in tree.body
+                if isinstance(node, ast.FunctionDef)
+                and node.name in ("apply_unless_non_finite", "_no_output")}
+
+    accumulator, train_step = functions("accumulator.py"), functions("train_step.py")
+    assert set(accumulator) == {"apply_unless_non_finite", "_no_output"}
+    assert accumulator == train_step

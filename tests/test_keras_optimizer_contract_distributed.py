@@ -1,10 +1,12 @@
 """Keras' distributed optimizer tests (keras/src/backend/tensorflow/optimizer_distribute_test.py)
 on AccumulatingOptimizer, on the 2-replica MirroredStrategy of conftest.
 
-Each test names the Keras test it ports. Keras' tests capture one gradient tensor made
-outside `strategy.run`, which eager MirroredStrategy does not sum; here every replica
-makes its own (keras_contract.apply_calls), as in a training step, so the all-reduce adds
-R = 2 of them and the hand values are those of a doubled gradient.
+Each test names the Keras test it ports. Here every replica makes its own gradient
+tensors (keras_contract.apply_calls), as in a training step, so the all-reduce adds R = 2
+of them and the hand values are those of a doubled gradient. (Keras' test_ema hands one
+tensor made outside `strategy.run` straight to the all-reduce, which eager
+MirroredStrategy then does not sum: its expected values are one device's.) Beside
+test_config: optimizer_test.py's naming and `get` tests, on one device.
 """
 
 import json
@@ -13,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras_contract import apply_calls, repeated, scope, variable, wrapped
+from keras_contract import apply_calls, repeated, variable, wrapped
 
 from distgrad.lab.compare import check_close, mirrored_copies_agree
 from distgrad.optimizer import AccumulatingOptimizer
@@ -34,6 +36,20 @@ def test_config_round_trip_under_the_strategy(strategy2):
     for other in (revived, deserialized):
         assert json.dumps(other.get_config()) == config
         assert set(dir(other)) == set(dir(optimizer))
+
+
+def test_config_round_trip_and_names():
+    """Ports test_optimizer_auto_naming and test_get_method: automatic and explicit names
+    survive serialization; `keras.optimizers.get` revives the wrapper from its config."""
+    first, second = wrapped(keras.optimizers.SGD(), 2), wrapped(keras.optimizers.SGD(), 2)
+    assert first.name.startswith("accumulating_optimizer") and first.name != second.name
+    custom = wrapped(keras.optimizers.SGD(), 2, name="my_accumulator")
+    for optimizer in (second, custom):
+        revived = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+        assert revived.name == optimizer.name
+    revived = keras.optimizers.get(keras.optimizers.serialize(custom))
+    assert isinstance(revived, AccumulatingOptimizer)
+    assert revived.get_config() == custom.get_config()
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -76,10 +92,12 @@ def test_correctness_with_golden(strategy2, k):
         [0.9974, 0.9954, 0.9934, 0.9914, 0.9894, 0.9874, 0.9854, 0.9834, 0.9814, 0.9794],
         [0.9972, 0.9952, 0.9932, 0.9912, 0.9892, 0.9872, 0.9852, 0.9832, 0.9812, 0.9792],
     ])
-    calls = [[np.arange(0.1, 1.1, 0.1, dtype="float32")]] + [[np.full((10,), 0.01, "float32")]] * 4
+    calls = [[np.arange(0.1, 1.1, 0.1, dtype="float32")]]
+    calls += [[np.full((10,), 0.01, "float32")]] * 4
     with strategy2.scope():
         x, plain_x = variable(np.ones([10])), variable(np.ones([10]))
-        optimizer, plain = wrapped(keras.optimizers.SGD(nesterov=True), k), keras.optimizers.SGD(nesterov=True)
+        optimizer = wrapped(keras.optimizers.SGD(nesterov=True), k)
+        plain = keras.optimizers.SGD(nesterov=True)
     after = apply_calls(strategy2, optimizer, [x], repeated(calls, k))[k - 1::k]
     plain_after = apply_calls(strategy2, plain, [plain_x], calls)
     for values, plain_values, expected in zip(after, plain_after, golden):
@@ -157,7 +175,8 @@ def test_gradient_accumulation_on_two_replicas(strategy2):
         local = (n % 3) * grads
         check_close([np.asarray(c) for c in accumulator.value.values], [local, local])
         check_close([accumulator.numpy()], [R * local])
-        assert (int(optimizer.total_micro_steps.numpy()), int(optimizer.iterations.numpy())) == (n, n // 3)
+        assert optimizer.total_micro_steps.numpy() == n
+        assert optimizer.iterations.numpy() == n // 3
 
 
 def test_clipping_acts_on_the_summed_gradient_not_on_each_replica(strategy2):
@@ -167,7 +186,8 @@ def test_clipping_acts_on_the_summed_gradient_not_on_each_replica(strategy2):
     grad = [[np.array([100.0, 100.0], "float32")]]
     with strategy2.scope():
         v, plain_v = variable([0.0, 0.0]), variable([0.0, 0.0])
-        optimizer, plain = wrapped(keras.optimizers.SGD(1.0, clipnorm=1.0), 1), keras.optimizers.SGD(1.0, clipnorm=1.0)
+        optimizer = wrapped(keras.optimizers.SGD(1.0, clipnorm=1.0), 1)
+        plain = keras.optimizers.SGD(1.0, clipnorm=1.0)
     apply_calls(strategy2, optimizer, [v], grad)
     apply_calls(strategy2, plain, [plain_v], grad)
     check_close([v.numpy(), plain_v.numpy()], [[-(2**0.5) / 2] * 2, [-(2**0.5)] * 2])

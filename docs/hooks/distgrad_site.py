@@ -238,10 +238,14 @@ def _insert_lesson_header(html_text, page, files):
 
 
 def environment_report_of(notebook: Path) -> dict | None:
-    """The first output of the notebook that is a `distgrad.environment_report()` dict."""
+    """The first `distgrad.environment_report()` of the notebook: shown with
+    `distgrad.lab.display.show_environment` (in the output's metadata) or printed as a dict."""
     cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
     for cell in cells:
         for output in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
+            shown = output.get("metadata", {}).get("distgrad_environment")
+            if isinstance(shown, dict) and {"tensorflow", "keras"} <= shown.keys():
+                return shown
             text = output.get("data", {}).get("text/plain") or output.get("text")
             if not text:
                 continue

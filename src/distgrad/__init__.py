@@ -8,7 +8,9 @@ the standard library (copy one into your project and it works alone):
 * `GradientAccumulator` (`distgrad/accumulator.py`): replica-local buffers for a custom
   loop, one all-reduce per update;
 * `MicroBatching`, `MicroBatchingModel`, `with_micro_batches` (`distgrad/train_step.py`):
-  k micro-batches inside one `fit` step.
+  k micro-batches inside one `fit` step;
+* `AccumulationCallback` (`distgrad/callbacks.py`): in `fit`, flush or discard an
+  `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates.
 
 Names are imported lazily, so `import distgrad` loads neither TensorFlow nor the lab.
 """
@@ -21,6 +23,7 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "AccumulatingOptimizer": "distgrad.optimizer",
+    "AccumulationCallback": "distgrad.callbacks",
     "GradientAccumulator": "distgrad.accumulator",
     "MicroBatching": "distgrad.train_step",
     "MicroBatchingModel": "distgrad.train_step",

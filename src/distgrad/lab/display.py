@@ -41,14 +41,24 @@ def show_table(headers, rows) -> None:
     display(Markdown(markdown_table(headers, rows)))
 
 
+ENVIRONMENT_METADATA = "distgrad_environment"
+
+
 def show_environment(report: dict) -> None:
-    """Display an environment report (`distgrad.environment_report`) as a table."""
+    """Display an environment report (`distgrad.environment_report`) as a table.
+
+    The report itself rides along in the output's metadata (`ENVIRONMENT_METADATA`), where
+    the site's versions page reads it.
+    """
+    from IPython.display import Markdown, display
+
     def text(value):
         if isinstance(value, (list, tuple)):
             return ", ".join(map(str, value)) or "none"
         return value
 
-    show_table(["", "value"], [(key, text(value)) for key, value in report.items()])
+    table = markdown_table(["", "value"], [(key, text(value)) for key, value in report.items()])
+    display(Markdown(table), metadata={ENVIRONMENT_METADATA: dict(report)})
 
 
 def show_code(obj):

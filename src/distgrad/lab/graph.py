@@ -165,6 +165,47 @@ def all_reduce_placement(function, *args, replicas: int | None = None) -> AllRed
     return placement_of_graph(_graph_of(function, *args), _replicas(replicas))
 
 
+def _python_graphs(graph):
+    """`graph` and every function graph its ops call (cond branches, loop bodies, calls)."""
+    todo, seen = [graph], set()
+    while todo:
+        current = todo.pop()
+        yield current
+        for op in current.get_operations():
+            for attr in op.node_def.attr.values():
+                names = [attr.func.name] if attr.HasField("func") else (
+                    [f.name for f in attr.list.func] if attr.HasField("list") else [])
+                for name in names:
+                    called = getattr(current._get_function(name), "graph", None)
+                    if called is not None and name not in seen:
+                        seen.add(name)
+                        todo.append(called)
+
+
+def all_reduce_sizes(function, *args, replicas: int | None = None) -> list[int]:
+    """Elements each all-reduce of one replica moves, largest first, for `function(*args)`.
+
+    Read from the traced graphs' static shapes (-1 when unknown), cond branches and loop
+    bodies included: a packed gradient all-reduce moves every gradient element at once,
+    a finiteness flag or a reported loss moves 1. Raises TypeError for a non-tf.function.
+    """
+    if not hasattr(function, "get_concrete_function"):
+        raise TypeError(f"needs a tf.function, got {type(function).__name__}.")
+    return graph_all_reduce_sizes(function.get_concrete_function(*args).graph,
+                                  _replicas(replicas))
+
+
+def graph_all_reduce_sizes(graph, replicas: int) -> list[int]:
+    """`all_reduce_sizes` of a traced (Python) graph, e.g. a concrete function's."""
+    sizes = sorted((-1 if op.inputs[0].shape.num_elements() is None
+                    else op.inputs[0].shape.num_elements())
+                   for g in _python_graphs(graph) for op in g.get_operations()
+                   if op.type in ALL_REDUCE_OP_TYPES)
+    _per_replica(len(sizes), replicas, "all-reduce ops")
+    per_replica = sizes[::replicas]  # each replica runs the same all-reduces
+    return sorted(per_replica, reverse=True)
+
+
 def fit_step_placement(model, x, y, batch_size: int) -> AllReducePlacement:
     """All-reduce placement of the step `model.fit(x, y, batch_size=batch_size)` runs.
 
@@ -176,6 +217,17 @@ def fit_step_placement(model, x, y, batch_size: int) -> AllReducePlacement:
         ValueError: the model was compiled with `steps_per_execution` != 1.
         RuntimeError: the installed Keras no longer wraps one `tf.function` there.
     """
+    graph = _fit_step_graph(model, x, y, batch_size)
+    return placement_of_graph(graph.as_graph_def(), model.distribute_strategy.num_replicas_in_sync)
+
+
+def fit_step_all_reduce_sizes(model, x, y, batch_size: int) -> list[int]:
+    """`all_reduce_sizes` of the step `model.fit` runs (as `fit_step_placement` traces it)."""
+    graph = _fit_step_graph(model, x, y, batch_size)
+    return graph_all_reduce_sizes(graph, model.distribute_strategy.num_replicas_in_sync)
+
+
+def _fit_step_graph(model, x, y, batch_size: int):
     strategy = model.distribute_strategy
     if model.steps_per_execution != 1:
         raise ValueError("fit_step_placement traces one step: compile with "
@@ -189,5 +241,4 @@ def fit_step_placement(model, x, y, batch_size: int) -> AllReducePlacement:
             "(keras/src/backend/tensorflow/trainer.py changed): update fit_step_placement.")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    graph_def = traced[0].get_concrete_function(iterator).graph.as_graph_def()
-    return placement_of_graph(graph_def, strategy.num_replicas_in_sync)
+    return traced[0].get_concrete_function(iterator).graph

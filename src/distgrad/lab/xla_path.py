@@ -135,3 +135,27 @@ def stock_loss_scale_overflow_on_one_replica(replicas: int = 2) -> LossScaleReco
     return LossScaleRecord(
         replicas=replicas, error=error, loss_scales=[float(c.numpy()) for c in copies],
         weights_finite=[bool(np.all(np.isfinite(w))) for w in model.get_weights()])
+
+
+def xla_step_on_two_cpu_replicas() -> dict:
+    """`fit` of `tiny_model` with Keras' Adam under `jit_compile=True` on a real 2-replica
+    `MirroredStrategy` over logical CPUs; returns `{"error": None | {"type", "message"}}`.
+
+    For a child process: XLA cannot compile a step whose variables live on two devices,
+    which is why the GPU+XLA path is simulated rather than compiled here.
+    """
+    import keras
+
+    from distgrad.devices import make_strategy
+    from distgrad.lab.data import regression_data, tiny_model
+
+    strategy = make_strategy(2)
+    x, y = regression_data(8)
+    with strategy.scope():
+        model = tiny_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+    try:
+        model.fit(x, y, batch_size=8, verbose=0)
+    except Exception as err:  # noqa: BLE001 - the finding is what it raises
+        return {"error": {"type": type(err).__name__, "message": str(err)[-1500:]}}
+    return {"error": None}

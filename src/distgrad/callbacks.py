@@ -1,0 +1,92 @@
+"""`AccumulationCallback`: what `model.fit` does with an incomplete cycle at an epoch's end.
+
+    model.fit(x, y, epochs=3, callbacks=[AccumulationCallback("flush")])
+
+An epoch of n micro-batches leaves n mod k of them accumulated and not applied. By
+default they stay (the optimizer carries them into the next epoch, whose first
+micro-batches complete the cycle); this callback can apply them (`flush`) or drop them
+(`discard`), and puts the optimizer's `skipped_updates` into the epoch's logs.
+
+This file imports only Keras and the standard library: copy it into a project and use it
+alone. It drives any optimizer with `flush()`, `discard()` and `skipped_updates`
+(distgrad's `AccumulatingOptimizer`), also inside a `LossScaleOptimizer`. In a custom
+loop, call `optimizer.flush()` or `optimizer.discard()` yourself after the epoch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+INCOMPLETE_CYCLE_ACTIONS = ("carry", "flush", "discard")
+
+
+def accumulating_optimizer_of(optimizer):
+    """`optimizer`, or the one it wraps (`inner_optimizer`, recursively), that has
+    `flush`, `discard` and `skipped_updates`; None if there is none."""
+    while optimizer is not None:
+        if all(hasattr(optimizer, name) for name in ("flush", "discard", "skipped_updates")):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+def _count(variable) -> int:
+    return 0 if variable is None else int(keras.ops.convert_to_numpy(variable))  # unbuilt: 0
+
+
+class AccumulationCallback(keras.callbacks.Callback):
+    """At each epoch's end: carry, flush or discard the incomplete cycle; log skips.
+
+    Args:
+        incomplete_cycle: "carry" (default; what the optimizer does alone: the next
+            epoch completes the cycle), "flush" (`optimizer.flush()`: apply it now, as the
+            mean of its micro-batches) or "discard" (`optimizer.discard()`: drop it).
+
+    Logs: every epoch's logs (hence `History`) get `skipped_updates`, the optimizer's
+    count of cycles dropped as non-finite, read after the action; a `UserWarning` names
+    the epoch in which it grew.
+
+    Order: Keras validates before `on_epoch_end`, so an epoch's `val_` metrics see the
+    weights before a flush. List this callback before a `ModelCheckpoint` that should
+    save the flushed weights.
+
+    Raises:
+        ValueError: `incomplete_cycle` is not one of "carry", "flush", "discard";
+            (at `on_train_begin`) the model's optimizer has no `flush` / `discard`.
+    """
+
+    def __init__(self, incomplete_cycle: str = "carry"):
+        super().__init__()
+        if incomplete_cycle not in INCOMPLETE_CYCLE_ACTIONS:
+            raise ValueError(f"incomplete_cycle must be one of {INCOMPLETE_CYCLE_ACTIONS}, "
+                             f"got {incomplete_cycle!r}.")
+        self.incomplete_cycle = incomplete_cycle
+        self._skipped = 0
+
+    def _optimizer(self):
+        found = accumulating_optimizer_of(self.model.optimizer)
+        if found is None:
+            raise ValueError(
+                "AccumulationCallback needs an optimizer with flush() and discard(), such as "
+                f"distgrad's AccumulatingOptimizer; the model's is "
+                f"{type(self.model.optimizer).__name__}.")
+        return found
+
+    def on_train_begin(self, logs=None):
+        self._skipped = _count(self._optimizer().skipped_updates)
+
+    def on_epoch_end(self, epoch, logs=None):
+        optimizer = self._optimizer()
+        if self.incomplete_cycle == "flush":
+            optimizer.flush()
+        elif self.incomplete_cycle == "discard":
+            optimizer.discard()
+        skipped = _count(optimizer.skipped_updates)
+        if logs is not None:
+            logs["skipped_updates"] = skipped
+        if skipped > self._skipped:
+            warnings.warn(f"epoch {epoch + 1}: {skipped - self._skipped} update(s) skipped, "
+                          f"their gradients were NaN/Inf ({skipped} in all).", stacklevel=2)
+        self._skipped = skipped
