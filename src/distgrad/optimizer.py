@@ -18,8 +18,8 @@ NON_FINITE_POLICIES = ("raise", "skip")
 _NOTHING, _APPLIED, _SKIPPED = 0, 1, 2  # what a call did to the cycle (no-merge-call path)
 
 
-def _unused_learning_rate():  # a callable: BaseOptimizer creates no variable for it
-    return 0.0  # (`learning_rate` reads and writes the inner optimizer's)
+def _unused_learning_rate():  # a callable: BaseOptimizer creates no variable for it;
+    return 0.0  # `learning_rate` reads and writes the inner optimizer's
 
 
 def _describe(strategy) -> str:
@@ -45,10 +45,13 @@ def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) ->
         raise TypeError(f"AccumulatingOptimizer wraps a Keras 3 optimizer instance, got "
                         f"{kind.__name__} from {kind.__module__} (tf.compat.v1 optimizers and "
                         f"legacy tf-keras ones are not Keras 3 optimizers). Pass {fix}.")
-    if getattr(inner_optimizer, "gradient_accumulation_steps", None):
-        raise ValueError(f"The inner optimizer has gradient_accumulation_steps="
-                         f"{inner_optimizer.gradient_accumulation_steps}: create it without, and "
-                         "pass accumulation_steps= to AccumulatingOptimizer, which accumulates.")
+    if steps := getattr(inner_optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(f"The inner optimizer has gradient_accumulation_steps={steps}: create "
+                         "it without; AccumulatingOptimizer(accumulation_steps=) accumulates.")
+
+
+def _overwritten(variable) -> bool:  # float8 scales and amax histories: assigned, not stepped
+    return getattr(variable, "overwrite_with_gradient", False)
 
 
 @keras.saving.register_keras_serializable(package="distgrad")
@@ -87,9 +90,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     drops it (`distgrad.callbacks.AccumulationCallback`).
 
     Raises:
-        ValueError: bad `accumulation_steps` / `non_finite`; an inner optimizer with
-            `gradient_accumulation_steps`; clipping, weight decay, EMA... given to the
-            wrapper; (first step) "raise" in an XLA-compiled step, which cannot raise.
+        ValueError: bad `accumulation_steps` / `non_finite`; an inner optimizer with its own
+            accumulation; clipping, weight decay, EMA... given to the wrapper; (first step)
+            "raise" in an XLA-compiled step, which cannot raise.
         TypeError: `inner_optimizer` is not a Keras 3 optimizer.
         RuntimeError: (`build` / `apply`) not all under the same distribution strategy.
         tf.errors.InvalidArgumentError: (run time) a non-finite cycle under "raise".
@@ -109,29 +112,21 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             setattr(inner_optimizer, option, None)
 
     @property
-    def iterations(self):
-        """Number of updates made (the inner optimizer's `iterations`)."""
+    def iterations(self):  # updates made: the inner optimizer's counter
         return self.inner_optimizer.iterations
 
-    @property
-    def total_micro_steps(self):
-        """Micro-batches accumulated since creation, a variable (BaseOptimizer's own
-        `iterations`, reused: checkpointed, ONLY_FIRST_REPLICA), never reset."""
-        return self._iterations
+    # Never reset: BaseOptimizer's own `iterations` variable (checkpointed, ONLY_FIRST_REPLICA).
+    total_micro_steps = property(lambda self: self._iterations)
 
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
+    learning_rate = property(lambda self: self.inner_optimizer.learning_rate)
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
         if "inner_optimizer" in self.__dict__:  # BaseOptimizer.__init__ sets it earlier
             self.inner_optimizer.learning_rate = learning_rate
 
-    @property
-    def loss_scale_factor(self):
-        inner = self.__dict__.get("inner_optimizer")
-        return None if inner is None else inner.loss_scale_factor
+    loss_scale_factor = property(lambda self: getattr(
+        self.__dict__.get("inner_optimizer"), "loss_scale_factor", None))
 
     def __setattr__(self, name, value):
         # A wrapping LossScaleOptimizer sets `loss_scale_factor = None`: see `non_finite`.
@@ -142,18 +137,14 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.loss_scale_factor = value
             self._under_loss_scaling = value is None
 
-    @property
-    def variables(self):
-        return self._variables[:] + self.inner_optimizer.variables
+    variables = property(lambda self: self._variables[:] + self.inner_optimizer.variables)
 
     @property
-    def accumulators(self):
-        """The replica-local gradient sums, one per trainable variable."""
+    def accumulators(self):  # the replica-local gradient sums, one per trainable variable
         return list(self._accumulators)
 
     def build(self, var_list):
-        """Create accumulators and counters; RuntimeError unless under the strategy the
-        wrapper and the inner optimizer were created in."""
+        """Create accumulators and counters (under the strategy everything was created in)."""
         if self.built:
             return
         strategy = tf.distribute.get_strategy()
@@ -196,8 +187,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         on every k-th call, update. Replica context (inside `strategy.run`, as `fit` does,
         or without a strategy): ValueError in cross-replica context or without any
         gradient, RuntimeError under another strategy than the one it was built under."""
-        grads = list(grads)
-        if not grads:
+        if not (grads := list(grads)):
             return
         if trainable_variables is None and not self.built:
             raise ValueError("When passing gradients without variables the optimizer must be "
@@ -208,16 +198,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
         self._check_context()
         self._check_variables_are_known(trainable_variables)
-        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
-        if not pairs:
-            raise ValueError("No gradients provided for any variable.")
-        variables = [v for _, v in pairs]
+        # BaseOptimizer's filter: ValueError if no gradient at all, Keras' warning if some.
+        grads, variables = self._filter_empty_gradients(grads, trainable_variables)
         with keras.name_scope(self.name, caller=self):
-            for grad, variable in pairs:  # replica-local: no communication
-                if isinstance(grad, tf.IndexedSlices):
-                    grad = tf.convert_to_tensor(grad)
-                accumulator = self._accumulator_of(variable)
-                self.assign_add(accumulator, tf.cast(grad, accumulator.dtype))
+            for grad, variable in zip(grads, variables):  # replica-local: no communication
+                accumulator = self._accumulator_of(variable)  # IndexedSlices: densified
+                grad = tf.cast(tf.convert_to_tensor(grad), accumulator.dtype)
+                if _overwritten(variable):  # as Keras' built-in: a big batch's amax is the max
+                    self.assign(accumulator, tf.maximum(accumulator, grad))
+                else:
+                    self.assign_add(accumulator, grad)
             self._end_cycle(variables)
 
     def flush(self):
@@ -231,8 +221,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def discard(self):
         """Drop the incomplete cycle (not a skipped update). Call it as `flush`."""
         if self._strategy_outside_run("discard") is not None:
-            for accumulator in self._accumulators:
-                accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+            self._reset_accumulators(self._trainable_variables)
             self.micro_steps.assign(0)
 
     def _strategy_outside_run(self, what):
@@ -249,9 +238,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 self._cross_replica_step, args=(variables, flush))
 
     def _cross_replica_step(self, distribution, variables, flush=False):
-        # From merge_call, in cross-replica context: runs once for all replicas, so the
-        # counters are incremented once and the predicates are one value. Without
-        # merge_call (`distribution=None`) every replica runs it and takes the same branches.
+        # From merge_call (cross-replica context) it runs once for all replicas: one count,
+        # one predicate. Without merge_call (`distribution=None`) every replica runs it.
         if flush:  # the incomplete cycle, if there is one; micro_steps is zeroed at the end
             due, divisor = tf.greater(self.micro_steps, 0), tf.identity(self.micro_steps.value)
         else:
@@ -276,18 +264,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
             def drop_cycle():
                 if not self._raise_non_finite():
-                    on_replicas(self._reset_accumulators, variables)
+                    on_replicas(self._reset_accumulators, self._trainable_variables)
                 return tf.constant(_SKIPPED, tf.int64)
 
             return tf.cond(finite, apply_cycle, drop_cycle)
 
-        # As in LossScaleOptimizer._tf_apply: with merge_call, this cond must be in
-        # cross-replica context. MirroredStrategy does not support a replica-context cond
-        # whose branch calls merge_call (the inner optimizer's updates do); from here,
-        # call_for_each_replica starts fresh replica threads inside the branch graph, where
-        # merge_call works again. Without merge_call, the branches may hold a collective but
-        # not a merge_call, through which TensorFlow updates ONLY_FIRST_REPLICA variables:
-        # the counters are updated after the cond.
+        # As in LossScaleOptimizer._tf_apply, this cond is in cross-replica context:
+        # MirroredStrategy refuses a replica-context cond whose branch calls merge_call (the
+        # inner update does); call_for_each_replica starts fresh replica threads inside the
+        # branch, where merge_call works again. Without merge_call the branches may hold a
+        # collective but no ONLY_FIRST_REPLICA update: counters are updated after the cond.
         outcome = tf.cond(due, finish_cycle, lambda: tf.constant(_NOTHING, tf.int64))
         self.skipped_updates.assign_add(tf.cast(tf.equal(outcome, _SKIPPED), tf.int64))
         if distribution is None:  # `_apply_accumulated` left this increment out
@@ -331,19 +317,25 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     def _apply_accumulated(self, variables, divisor):
         # Replica context. The cycle's gradient all-reduce is inside the inner update.
-        accumulators = [self._accumulator_of(v) for v in variables]
-        # This replica's share of the mean gradient; the inner optimizer's SUM
-        # all-reduce turns the shares into the mean over all micro-batches and replicas.
-        grads = [tf.cast(tf.convert_to_tensor(a) / tf.cast(divisor, a.dtype), v.dtype)
-                 for a, v in zip(accumulators, variables)]
-        if any(getattr(self, option) for option in CLIP_OPTIONS):
-            grads = self._clip_across_replicas(grads)
+        # This replica's share of the mean gradient; the inner optimizer's SUM all-reduce
+        # makes it the mean over all micro-batches and replicas (overwritten: the maximum).
+        grads = [tf.convert_to_tensor(self._accumulator_of(v)) for v in variables]
+        grads = [tf.cast(g if _overwritten(v) else g / tf.cast(divisor, g.dtype), v.dtype)
+                 for g, v in zip(grads, variables)]
+        overwritten = [_overwritten(v) for v in variables]
+        context = tf.distribute.get_replica_context()
+        if any(overwritten) and context is not None and context.num_replicas_in_sync > 1:
+            grads = [tf.reduce_max(context.all_gather(g[None], axis=0), axis=0) if o else g
+                     for g, o in zip(grads, overwritten)]  # ReduceOp has no MAX: gather
+        rest = [i for i, o in enumerate(overwritten) if not o]  # Keras clips those only
+        if rest and any(getattr(self, option) for option in CLIP_OPTIONS):
+            for i, clipped in zip(rest, self._clip_across_replicas([grads[i] for i in rest])):
+                grads[i] = clipped
         inner = self.inner_optimizer
         if not tf.__internal__.distribute.strategy_supports_no_merge_call():
             inner.apply(grads, variables)
-        else:  # BaseOptimizer.apply (keras/src/optimizers/base_optimizer.py) but its last
-            # line, `self._iterations.assign_add(1)`: a merge_call, refused in this
-            # replica-context cond; `_cross_replica_step` increments it after the cond.
+        else:  # BaseOptimizer.apply without its `_iterations.assign_add(1)`, a merge_call
+            # refused in this cond; `_cross_replica_step` counts the update after it.
             grads, variables = inner._overwrite_variables_directly_with_gradients(
                 grads, variables)
             if grads:
@@ -353,7 +345,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 for variable in variables:
                     if variable.constraint is not None:
                         variable.assign(variable.constraint(variable))
-        self._reset_accumulators(variables)
+        self._reset_accumulators(self._trainable_variables)
 
     def _clip_across_replicas(self, local_grads):
         # Clipping is not linear: it needs the summed gradient (one more all-reduce). The
@@ -378,6 +370,14 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             raise ValueError("AccumulatingOptimizer.apply_gradients must be called in replica "
                              "context: inside strategy.run(step_fn, ...) (or through "
                              "model.fit), not directly under strategy.scope().")
+
+    def set_weights(self, weights):  # `variables`: the wrapper's, then the inner optimizer's
+        weights, own = list(weights), len(self._variables)
+        super().set_weights(weights[:own])
+        self.inner_optimizer.set_weights(weights[own:])
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):  # the inner one decays
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
