@@ -56,8 +56,8 @@ def test_the_non_finite_policy_is_the_same_function_in_both_files_that_need_it()
         tree = ast.parse((SRC / name).read_text())
         return {node.name: ast.dump(node) for node in tree.body
                 if isinstance(node, ast.FunctionDef)
-                and node.name in ("apply_unless_non_finite", "_no_output")}
+                and node.name in ("_apply_unless_non_finite", "_no_output")}
 
     accumulator, train_step = functions("accumulator.py"), functions("train_step.py")
-    assert set(accumulator) == {"apply_unless_non_finite", "_no_output"}
+    assert set(accumulator) == {"_apply_unless_non_finite", "_no_output"}
     assert accumulator == train_step

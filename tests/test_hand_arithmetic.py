@@ -7,6 +7,7 @@ training; these pin the arithmetic itself.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from distgrad.accumulator import GradientAccumulator
@@ -97,3 +98,109 @@ def test_micro_batching_fit_call_by_call():
     np.testing.assert_allclose(model.get_weights()[0], [[0.25]], rtol=1e-6)
     np.testing.assert_allclose(history.history["loss"], [7.5, 1.875], rtol=1e-6)
     assert int(model.optimizer.iterations.numpy()) == 2
+
+
+# -- non-finite gradients and epoch ends ---------------------------------------------------
+
+
+def _sgd_wrapper(k, **kwargs):
+    variable = keras.Variable([1.0, 2.0])
+    optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.5), accumulation_steps=k, **kwargs)
+    optimizer.build([variable])
+    return variable, optimizer
+
+
+def test_skip_drops_a_nan_cycle_call_by_call():
+    variable, optimizer = _sgd_wrapper(2, non_finite="skip")
+    optimizer.apply([tf.constant([1.0, 2.0])], [variable])
+    optimizer.apply([tf.constant([np.nan, 0.0])], [variable])  # cycle 1 ends non-finite
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(optimizer.accumulators[0].numpy(), [0.0, 0.0])
+    assert _counters(optimizer) == (0, 2, 0) and int(optimizer.skipped_updates.numpy()) == 1
+    optimizer.apply([tf.constant([1.0, 1.0])], [variable])
+    optimizer.apply([tf.constant([3.0, 1.0])], [variable])  # mean [2, 1], lr 0.5
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 1.5])
+    assert _counters(optimizer) == (1, 4, 0) and int(optimizer.skipped_updates.numpy()) == 1
+
+
+def test_raise_keeps_the_cycle_for_inspection_until_discard():
+    variable, optimizer = _sgd_wrapper(2)
+    optimizer.apply([tf.constant([1.0, 2.0])], [variable])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"cycle of update\W+1\W+(b\W)?ending at micro-step\W+2\W"):
+        optimizer.apply([tf.constant([np.inf, 0.0])], [variable])
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(optimizer.accumulators[0].numpy(), [np.inf, 2.0])
+    assert _counters(optimizer) == (0, 2, 0) and int(optimizer.skipped_updates.numpy()) == 0
+    optimizer.discard()
+    np.testing.assert_array_equal(optimizer.accumulators[0].numpy(), [0.0, 0.0])
+    optimizer.apply([tf.constant([1.0, 1.0])], [variable])
+    optimizer.apply([tf.constant([3.0, 1.0])], [variable])
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 1.5])
+
+
+def test_flush_applies_the_mean_of_the_micro_batches_seen_and_discard_drops_them():
+    variable, optimizer = _sgd_wrapper(3)
+    optimizer.apply([tf.constant([1.0, 2.0])], [variable])
+    optimizer.apply([tf.constant([3.0, 0.0])], [variable])
+    optimizer.flush()  # mean of 2 micro-batches [2, 1]: v - 0.5 * [2, 1]
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 1.5])
+    assert _counters(optimizer) == (1, 2, 0)
+    optimizer.apply([tf.constant([4.0, 4.0])], [variable])  # a new cycle starts
+    np.testing.assert_array_equal(optimizer.accumulators[0].numpy(), [4.0, 4.0])
+    optimizer.discard()
+    np.testing.assert_array_equal(optimizer.accumulators[0].numpy(), [0.0, 0.0])
+    assert _counters(optimizer) == (1, 3, 0)
+    optimizer.flush()  # nothing pending
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 1.5])
+
+
+def test_flush_on_two_replicas_divides_by_the_micro_steps_seen(strategy2):
+    with strategy2.scope():
+        variable = keras.Variable([1.0])
+        optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.1), 3)
+        optimizer.build([variable])
+
+    @tf.function
+    def call(g):
+        def replica_fn():
+            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+            optimizer.apply([(r + 1.0) * g], [variable])
+        strategy2.run(replica_fn)
+
+    call(tf.constant([1.0]))  # shares 1 and 2: sum 3
+    call(tf.constant([3.0]))  # shares 3 and 6: sum 12 over both micro-steps
+    optimizer.flush()  # mean over 2 micro-steps: 6; v = 1 - 0.1 * 6
+    np.testing.assert_allclose(variable.numpy(), [0.4], rtol=1e-6)
+    assert _counters(optimizer) == (1, 2, 0)
+
+
+def test_gradient_accumulator_skip_call_by_call():
+    variable = tf.Variable([1.0, 2.0])
+    accumulator = GradientAccumulator([variable], non_finite="skip")
+    apply_step = accumulator.make_apply_step(keras.optimizers.SGD(0.5))
+    accumulator.add([tf.constant([1.0, np.nan])])
+    with pytest.warns(UserWarning, match="update skipped"):
+        apply_step()
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(accumulator.gradients()[0].numpy(), [0.0, 0.0])
+    assert (accumulator.micro_steps, int(accumulator.skipped_updates.numpy())) == (0, 1)
+    accumulator.add([tf.constant([2.0, 2.0])])
+    apply_step()  # the sum [2, 2]: v - 0.5 * [2, 2]
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 1.0])
+
+
+def test_micro_batching_skip_call_by_call():
+    # Two steps on x = 1..4: the first has a NaN target and is skipped, the second is the
+    # step of test_micro_batching_fit_call_by_call: w = 1 - 0.1 * 15 * 1 = -0.5.
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(inputs)
+    model = MicroBatchingModel(inputs, outputs, accumulation_steps=2, non_finite="skip")
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x = np.array([[1.0], [2.0], [3.0], [4.0]] * 2, "float32")
+    y = np.zeros_like(x)
+    y[0] = np.nan
+    history = model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    np.testing.assert_allclose(model.get_weights()[0], [[-0.5]], rtol=1e-6)
+    assert history.history["skipped_updates"] == [1]
+    assert int(model.optimizer.iterations.numpy()) == 1

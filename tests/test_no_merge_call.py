@@ -135,8 +135,9 @@ def test_gradient_accumulator_moves_gradients_once_per_update_without_merge_call
     trainer = AccumulatedTrainer(no_merge_call_strategy(2), OPTIMIZERS["sgd"], x, y, K)
     trainer.update()
     # The one collective of a micro-step is the lab's reported loss: a scalar, no gradient.
-    assert all_reduce_sizes(trainer.accumulate_function, trainer.micro_batches[0]) == [1]
-    assert all_reduce_sizes(trainer.apply_step.function) == [PARAMETERS, 1]
+    assert all_reduce_sizes(trainer.accumulate_function, trainer.micro_batches[0],
+                            replicas=2) == [1]
+    assert all_reduce_sizes(trainer.apply_step.function, replicas=2) == [PARAMETERS, 1]
 
 
 def test_skip_without_merge_call_on_two_replicas_fails_at_the_first_apply_naming_the_fix():

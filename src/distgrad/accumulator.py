@@ -52,14 +52,14 @@ def _no_output(fn, *args, **kwargs) -> None:  # a tf.cond branch: both return no
     fn(*args, **kwargs)
 
 
-def apply_unless_non_finite(apply_fn, grads, non_finite: str, what: list, on_skip) -> None:
+def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip) -> None:
     """Replica context: `apply_fn(grads)` unless some replica's `grads` hold NaN/Inf.
 
     Every replica decides alike: from merge_call's cross-replica view of every replica's
     flag, or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
-    step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + `what`)
-    before anything changes. `"skip"`: `on_skip()` runs instead, once (in cross-replica
-    context when there is one).
+    step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + the strings
+    and tensors `describe()` returns) before anything changes. `"skip"`: `on_skip()`
+    runs instead, once (in cross-replica context when there is one).
 
     Raises:
         ValueError: (trace time) "raise" in an XLA-compiled step (XLA compiles assertions
@@ -86,9 +86,18 @@ def apply_unless_non_finite(apply_fn, grads, non_finite: str, what: list, on_ski
         elif replicas > 1:
             finite = context.merge_call(lambda distribution, flag: tf.reduce_all(
                 tf.stack(distribution.experimental_local_results(flag))), args=(finite,))
-        # The assertion gates every op `apply_fn` creates, merge_call's included (its
+        def fail():
+            # `describe()` reads variables in here: that makes this cond a resource op for
+            # automatic control dependencies, ordered per replica. A bare Assert (stateful,
+            # no resource) is chained after the previous replica's in tracing order, and
+            # with collectives in replica context (no merge_call) that deadlocked the step.
+            with tf.control_dependencies([tf.debugging.Assert(False, describe())]):
+                return tf.constant(False)
+
+        checked = tf.cond(finite, lambda: tf.constant(True), fail)
+        # The check gates every op `apply_fn` creates, merge_call's included (its
         # cross-replica function runs under the replica threads' control dependencies).
-        with tf.control_dependencies([tf.debugging.Assert(finite, what)]):
+        with tf.control_dependencies([checked]):
             apply_fn(grads)
         return
     if no_merge_call:
@@ -129,8 +138,9 @@ class GradientAccumulator(tf.Module):
             "raise" (default): `tf.errors.InvalidArgumentError` naming the update, before
             anything changes (the buffers keep the sums; `reset()` zeroes them). "skip":
             no update, buffers zeroed, counted in `skipped_updates` (and `make_apply_step`
-            warns). Without loss scaling; with a `LossScaleOptimizer` (whose overflows are
-            its own business) pass "skip", or the scaled overflows raise.
+            warns). An optimizer that handles non-finite gradients itself decides instead:
+            a `LossScaleOptimizer` (overflows are its business: it halves its scale) or
+            one with a `non_finite` policy (distgrad's `AccumulatingOptimizer`).
 
     State (tracked by `tf.train.Checkpoint(accumulator=...)`):
         accumulated: one `tf.Variable(synchronization=ON_READ, aggregation=SUM)` per
@@ -167,7 +177,8 @@ class GradientAccumulator(tf.Module):
         ValueError: no variables; variables owned by another strategy than the one in
             scope; distributed variables but no strategy scope; non-distributed
             variables inside a strategy scope; a wrong number or shape of gradients; a
-            bad `non_finite`, or one TensorFlow cannot honour (`apply_unless_non_finite`).
+            bad `non_finite`; (first apply) "raise" in an XLA-compiled step, "skip" on 2+
+            replicas without merge_call (XLA on GPUs): the message names the fix.
         TypeError: a non-floating variable.
         RuntimeError: `add` / `apply_gradients` called in cross-replica context.
         tf.errors.InvalidArgumentError: (run time) non-finite sums under "raise".
@@ -327,7 +338,11 @@ class GradientAccumulator(tf.Module):
         # `iterations` increment, the reset) on the check: an Assert alone would fail
         # the call but let independent stateful ops run.
         with tf.control_dependencies([check]):
-            apply_unless_non_finite(apply_and_reset, self.gradients(), self.non_finite, [
+            if (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                    or getattr(optimizer, "non_finite", None) is not None):
+                apply_and_reset(self.gradients())  # the optimizer's own policy decides
+                return
+            _apply_unless_non_finite(apply_and_reset, self.gradients(), self.non_finite, lambda: [
                 "GradientAccumulator: NaN/Inf accumulated gradients on some replica at update",
                 optimizer.iterations + 1,
                 "(optimizer.iterations + 1); nothing applied, the buffers keep their sums."], skip)

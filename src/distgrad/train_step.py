@@ -113,14 +113,14 @@ def _no_output(fn, *args, **kwargs) -> None:  # a tf.cond branch: both return no
     fn(*args, **kwargs)
 
 
-def apply_unless_non_finite(apply_fn, grads, non_finite: str, what: list, on_skip) -> None:
+def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip) -> None:
     """Replica context: `apply_fn(grads)` unless some replica's `grads` hold NaN/Inf.
 
     Every replica decides alike: from merge_call's cross-replica view of every replica's
     flag, or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
-    step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + `what`)
-    before anything changes. `"skip"`: `on_skip()` runs instead, once (in cross-replica
-    context when there is one).
+    step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + the strings
+    and tensors `describe()` returns) before anything changes. `"skip"`: `on_skip()`
+    runs instead, once (in cross-replica context when there is one).
 
     Raises:
         ValueError: (trace time) "raise" in an XLA-compiled step (XLA compiles assertions
@@ -147,9 +147,18 @@ def apply_unless_non_finite(apply_fn, grads, non_finite: str, what: list, on_ski
         elif replicas > 1:
             finite = context.merge_call(lambda distribution, flag: tf.reduce_all(
                 tf.stack(distribution.experimental_local_results(flag))), args=(finite,))
-        # The assertion gates every op `apply_fn` creates, merge_call's included (its
+        def fail():
+            # `describe()` reads variables in here: that makes this cond a resource op for
+            # automatic control dependencies, ordered per replica. A bare Assert (stateful,
+            # no resource) is chained after the previous replica's in tracing order, and
+            # with collectives in replica context (no merge_call) that deadlocked the step.
+            with tf.control_dependencies([tf.debugging.Assert(False, describe())]):
+                return tf.constant(False)
+
+        checked = tf.cond(finite, lambda: tf.constant(True), fail)
+        # The check gates every op `apply_fn` creates, merge_call's included (its
         # cross-replica function runs under the replica threads' control dependencies).
-        with tf.control_dependencies([tf.debugging.Assert(finite, what)]):
+        with tf.control_dependencies([checked]):
             apply_fn(grads)
         return
     if no_merge_call:
@@ -212,9 +221,9 @@ class MicroBatching:
         tf.errors.InvalidArgumentError: the same, at run time, for an unknown batch
             size (typically a smaller last batch): use `drop_remainder=True`; a
             non-finite step under "raise".
-        ValueError: a bad `non_finite`, or one TensorFlow cannot honour there
-            (`apply_unless_non_finite`: "raise" under `jit_compile=True`, "skip" on 2+
-            replicas without merge_call).
+        ValueError: a bad `non_finite`; (first step) "raise" under `jit_compile=True`,
+            "skip" on 2+ replicas without merge_call (XLA on GPUs): the message names the
+            fix.
     """
 
     def __init__(self, *args, accumulation_steps: int = 1, non_finite: str = "raise",
@@ -324,7 +333,7 @@ class MicroBatching:
                 or getattr(optimizer, "non_finite", None) is not None):
             apply(gradients)  # the optimizer's own policy decides
             return
-        apply_unless_non_finite(apply, gradients, self.non_finite, [
+        _apply_unless_non_finite(apply, gradients, self.non_finite, lambda: [
             "MicroBatching: NaN/Inf summed gradients on some replica at update",
             optimizer.iterations + 1, "(optimizer.iterations + 1); nothing was applied."],
             lambda: self.skipped_updates.assign_add(1))

@@ -2,6 +2,8 @@
 
 Tiny deterministic models and data (`data`), weight comparisons and the optimizer table
 (`compare`), the training recipes lessons compare (`recipes`, `accumulation`, `mixed`),
-graph inspection (`graph`), the call spy (`spy`), the fresh-process runner (`child`) and
-what runs on it (`legacy`, `multiworker`, `workers`, `memory`, `resume`).
+graph inspection (`graph`), the call spy (`spy`), the simulated GPU+XLA path
+(`xla_path`), rendering on the page (`display`), the one argument guard (`args`), the
+fresh-process runner (`child`) and what runs on it (`legacy`, `multiworker`, `workers`,
+`memory`, `resume`).
 """

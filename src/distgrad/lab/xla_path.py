@@ -20,7 +20,9 @@ Gradient all-reduces are `CollectiveReduceV2` ops launched in replica context
 is allowed inside a replica-context `tf.cond` (every replica takes the same branch),
 a `merge_call` is not (a variable with `ONLY_FIRST_REPLICA` aggregation, such as every
 Keras optimizer's `iterations`, is still updated through one:
-`values.apply_aggregation_replica_context`).
+`values.apply_aggregation_replica_context`), and automatic control dependencies chain
+resource-free stateful ops (a bare `tf.debugging.Assert`) across replicas in tracing
+order, which can deadlock collectives in replica context.
 
 What it cannot reproduce:
 * XLA compilation. The simulated step runs as an ordinary graph. XLA cannot compile a
@@ -53,9 +55,10 @@ _STRATEGIES: dict = {}
 def no_merge_call_strategy(replicas: int = 2) -> tf.distribute.MirroredStrategy:
     """A `MirroredStrategy` over `replicas` logical CPUs that takes the no-merge-call path.
 
-    Created once per device set and process (like `distgrad.make_strategy`), with its
-    own collective keys. Call `distgrad.make_strategy` or `replica_devices` rules apply:
-    the logical devices must exist before TensorFlow initializes.
+    Created once per device set and process (like `distgrad.make_strategy`), with
+    collective keys of its own, so that it cannot collide with `make_strategy`'s strategy
+    over the same devices. As for `make_strategy`, the logical devices must exist before
+    TensorFlow initializes.
 
     Raises:
         ValueError / RuntimeError: as `distgrad.devices.replica_devices`.

@@ -1,0 +1,181 @@
+"""A NaN gradient in float32 is never silent: the `non_finite` policy ("raise" or "skip").
+
+The same vocabulary for `AccumulatingOptimizer`, `GradientAccumulator` and
+`MicroBatching`; under a `LossScaleOptimizer` a non-finite cycle is the loss scale's
+business and is skipped (and counted). The no-merge-call path is in test_no_merge_call.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import distgrad
+from distgrad.accumulator import GradientAccumulator
+from distgrad.callbacks import AccumulationCallback
+from distgrad.lab.accumulation import AccumulatedTrainer
+from distgrad.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.mixed import CONTROLLED_INITIAL_SCALE, mixed_precision_policy, overflow_data
+from distgrad.lab.recipes import fit_run
+from distgrad.optimizer import AccumulatingOptimizer
+from distgrad.train_step import MicroBatching, with_micro_batches
+
+K, MICRO, UPDATES = 2, 4, 3
+
+
+@pytest.fixture(params=[0, 1, 2], ids=["no_strategy", "R1", "R2"])
+def any_strategy(request):
+    return distgrad.make_strategy(request.param) if request.param else None
+
+
+def replicas_of(strategy):
+    return 1 if strategy is None else strategy.num_replicas_in_sync
+
+
+def nan_data(strategy, micro_batch_index=2, batch=MICRO, examples=MICRO * K * UPDATES):
+    """regression data with one NaN target, in the last replica's shard of one batch."""
+    x, y = regression_data(examples)
+    replicas = replicas_of(strategy)
+    y[micro_batch_index * batch + (replicas - 1) * (batch // replicas)] = np.nan
+    return x, y
+
+
+def compiled(strategy, optimizer_factory, model_factory=tiny_model):
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = model_factory()
+        model.compile(optimizer=optimizer_factory(), loss="mse")
+    return model
+
+
+# -- AccumulatingOptimizer ---------------------------------------------------------------
+
+
+def test_accumulating_optimizer_raises_by_default_naming_update_and_micro_step(any_strategy):
+    x, y = nan_data(any_strategy)
+    model = compiled(any_strategy, lambda: AccumulatingOptimizer(OPTIMIZERS["adam"](), K))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"cycle of update\] \[2\] \[ending at micro-step\] \[4\]"):
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    first = fit_run(None, OPTIMIZERS["adam"], x[:MICRO * K], y[:MICRO * K], MICRO * K)
+    check_close(weights_of(model), first.final)  # nothing applied after update 1
+    optimizer = model.optimizer
+    assert (int(optimizer.iterations.numpy()), int(optimizer.skipped_updates.numpy())) == (1, 0)
+    assert not all(np.all(np.isfinite(a.numpy())) for a in optimizer.accumulators)  # kept
+
+
+def test_accumulating_optimizer_skip_drops_the_cycle_and_counts_it(any_strategy):
+    x, y = nan_data(any_strategy)
+    run = fit_run(any_strategy, lambda: AccumulatingOptimizer(
+        OPTIMIZERS["momentum"](), K, non_finite="skip"), x, y, MICRO)
+    kept = np.r_[0:2 * MICRO, 4 * MICRO:6 * MICRO]  # cycles 1 and 3
+    check_close(run.final, fit_run(None, OPTIMIZERS["momentum"], x[kept], y[kept],
+                                   MICRO * K).final)
+    optimizer = run.optimizer
+    assert (run.updates, run.total_micro_steps) == (UPDATES - 1, UPDATES * K)
+    assert (int(optimizer.skipped_updates.numpy()), int(optimizer.micro_steps.numpy())) == (1, 0)
+    assert mirrored_copies_agree(run.model.trainable_variables)
+
+
+def test_skipped_updates_is_saved_by_a_checkpoint(tmp_path, strategy2):
+    x, y = nan_data(strategy2)
+    run = fit_run(strategy2, lambda: AccumulatingOptimizer(OPTIMIZERS["sgd"](), K,
+                                                           non_finite="skip"), x, y, MICRO)
+    path = tf.train.Checkpoint(optimizer=run.optimizer).save(str(tmp_path / "ckpt"))
+    restored = compiled(strategy2, lambda: AccumulatingOptimizer(OPTIMIZERS["sgd"](), K,
+                                                                 non_finite="skip"))
+    with strategy2.scope():
+        restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(optimizer=restored.optimizer).restore(path).expect_partial()
+    assert int(restored.optimizer.skipped_updates.numpy()) == 1
+
+
+def test_the_callback_puts_skipped_updates_in_fit_logs_and_warns(strategy2):
+    x, y = nan_data(strategy2)
+    model = compiled(strategy2, lambda: AccumulatingOptimizer(OPTIMIZERS["sgd"](), K,
+                                                              non_finite="skip"))
+    with pytest.warns(UserWarning, match=r"epoch 2: 1 update\(s\) skipped.*\(2 in all\)"):
+        history = model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[AccumulationCallback()])
+    assert history.history["skipped_updates"] == [1, 2]
+
+
+def test_under_loss_scaling_a_cycle_overflowing_on_replica_1_is_skipped_not_raised(strategy2):
+    # Keras' LossScaleOptimizer checks replica 0 only: the overflow reaches the
+    # accumulators, and the default "raise" leaves it to the loss scale (skip and count).
+    x, y = overflow_data(4, 8, overflow_step=3, replicas=2, overflow_replicas=(1,))
+    with mixed_precision_policy("mixed_float16"):
+        model = compiled(strategy2, lambda: keras.mixed_precision.LossScaleOptimizer(
+            AccumulatingOptimizer(OPTIMIZERS["sgd"](), K),
+            initial_scale=CONTROLLED_INITIAL_SCALE))
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    inner = model.optimizer.inner_optimizer
+    assert (int(inner.iterations.numpy()), int(inner.skipped_updates.numpy())) == (1, 1)
+    assert all(np.all(np.isfinite(w)) for w in weights_of(model))
+
+
+# -- GradientAccumulator -----------------------------------------------------------------
+
+
+def accumulator_trainer(strategy, non_finite):
+    x, y = nan_data(strategy, micro_batch_index=1, batch=MICRO * 2, examples=MICRO * 2 * K)
+    trainer = AccumulatedTrainer(strategy, OPTIMIZERS["adam"], x, y, K)
+    trainer.accumulator.non_finite = non_finite  # before the first apply traces
+    return trainer
+
+
+def test_gradient_accumulator_raises_by_default_and_changes_nothing(strategy):
+    trainer = accumulator_trainer(strategy, "raise")
+    initial = weights_of(trainer.model)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"at update\] \[1\]"):
+        trainer.update()
+    check_close(weights_of(trainer.model), initial, rtol=0, atol=0)
+    assert int(trainer.optimizer.iterations.numpy()) == 0
+    assert trainer.accumulator.micro_steps == K  # the buffers keep the cycle
+
+
+def test_gradient_accumulator_skip_resets_counts_and_warns(strategy):
+    trainer = accumulator_trainer(strategy, "skip")
+    initial = weights_of(trainer.model)
+    with pytest.warns(UserWarning, match=r"update skipped.*\(1 skipped so far\)"):
+        trainer.update()
+    check_close(weights_of(trainer.model), initial, rtol=0, atol=0)
+    assert int(trainer.accumulator.skipped_updates.numpy()) == 1
+    assert (int(trainer.optimizer.iterations.numpy()), trainer.accumulator.micro_steps) == (0, 0)
+    assert all(np.all(b.numpy() == 0) for b in trainer.accumulator.accumulated)
+
+
+# -- MicroBatching -----------------------------------------------------------------------
+
+
+def test_micro_batching_raises_by_default_naming_the_update(strategy):
+    x, y = nan_data(strategy, micro_batch_index=1, batch=16, examples=32)
+    model = compiled(strategy, OPTIMIZERS["sgd"], lambda: with_micro_batches(tiny_model(), 4))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"at update\] \[2\]"):
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
+def test_micro_batching_skip_logs_the_count_and_equals_fit_without_that_step(strategy):
+    x, y = nan_data(strategy, micro_batch_index=0, batch=16, examples=32)
+    model = compiled(strategy, OPTIMIZERS["adam"],
+                     lambda: with_micro_batches(tiny_model(), 4, non_finite="skip"))
+    history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    check_close(weights_of(model), fit_run(None, OPTIMIZERS["adam"], x[16:], y[16:], 16).final)
+    assert history.history["skipped_updates"] == [1]
+    assert int(model.skipped_updates.numpy()) == 1
+    assert len(model.weights) == len(tiny_model().weights)  # the counter is no weight
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+def test_an_unknown_policy_is_rejected_by_each_class():
+    for make in (lambda: AccumulatingOptimizer(keras.optimizers.SGD(0.1), 2, non_finite="nan"),
+                 lambda: GradientAccumulator([tf.Variable([1.0])], non_finite="nan"),
+                 lambda: with_micro_batches(tiny_model(), 2, non_finite="nan")):
+        with pytest.raises(ValueError, match=r"non_finite must be one of \('raise', 'skip'\)"):
+            make()
+    with pytest.raises(ValueError, match="incomplete_cycle must be one of"):
+        AccumulationCallback("apply")
+    assert issubclass(type(with_micro_batches(tiny_model(), 2)), MicroBatching)
