@@ -132,7 +132,13 @@ def make_strategy(replicas: int | None = None) -> tf.distribute.MirroredStrategy
     # so a second one over the same devices can collide with the first ("Shape mismatch
     # in the collective instance") and poison every later all-reduce in the process.
     if devices not in _STRATEGIES:
-        _STRATEGIES[devices] = tf.distribute.MirroredStrategy(list(devices))
+        # Quiet TensorFlow's INFO line naming every device: environment_report shows them.
+        logger, level = tf.get_logger(), tf.get_logger().level
+        logger.setLevel("WARNING")
+        try:
+            _STRATEGIES[devices] = tf.distribute.MirroredStrategy(list(devices))
+        finally:
+            logger.setLevel(level)
     return _STRATEGIES[devices]
 
 
