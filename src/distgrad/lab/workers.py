@@ -147,15 +147,9 @@ def cond_around_apply(task_index: int, num_workers: int, collective_timeout: flo
         return {"error": {"type": type(err).__name__, "message": str(err)}}
 
 
-def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 10.0,
-                dying_worker: int = 1) -> dict:
-    """Worker `dying_worker` exits after one step; the others run a second step.
-
-    The survivors' next all-reduce has no peer: with `collective_timeout` set it fails
-    within that bound (the strategy's peer health check may abort it sooner).
-    """
-    import os
-
+def _sgd_worker(collective_timeout: float):
+    """`(model, optimizer, step)` of a worker: SGD on a tiny model under a fresh MWMS;
+    `step(x, y)` runs one replica step on this worker's shard of the global batch."""
     strategy = make_worker_strategy(collective_timeout)
     import tensorflow as tf
 
@@ -165,14 +159,28 @@ def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 1
     with strategy.scope():
         model, opt = tiny_model(), _optimizer("sgd")()
         opt.build(model.trainable_variables)
-    _, _, x_local, y_local = _shard(task_index, num_workers)
     replica_step = make_replica_step(GLOBAL_BATCH)
 
     @tf.function
     def step(xb, yb):
         return strategy.run(replica_step, args=(model, opt, xb, yb))
 
-    step(tf.constant(x_local), tf.constant(y_local))
+    return model, opt, lambda xb, yb: step(tf.constant(xb), tf.constant(yb))
+
+
+def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 10.0,
+                dying_worker: int = 1) -> dict:
+    """Worker `dying_worker` exits after one step; the others run a second step.
+
+    The survivors' next all-reduce has no peer: with `collective_timeout` set it fails
+    within that bound (the strategy's peer health check may abort it sooner).
+    """
+    import os
+
+    model, opt, step = _sgd_worker(collective_timeout)
+    x_local, y_local = _shard(task_index, num_workers)[2:]
+
+    step(x_local, y_local)
     if task_index == dying_worker:
         # A peer may still be fetching this worker's part of step 1's all-reduce (its
         # RecvBuf is served by this process): give it time, so only step 2 is affected.
@@ -180,7 +188,7 @@ def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 1
         os._exit(3)  # a crash: no goodbye to the peers
     started = time.monotonic()
     try:
-        step(tf.constant(x_local), tf.constant(y_local))
+        step(x_local, y_local)
         return {"error": None, "seconds": time.monotonic() - started}
     except Exception as err:  # noqa: BLE001 - the failure is the observation
         # TensorFlow prefixes the reason with the op's Python traceback; keep the reason.
@@ -198,24 +206,12 @@ def checkpoint_from_chief(task_index: int, num_workers: int, directory: str,
     """
     import tempfile
 
-    strategy = make_worker_strategy(collective_timeout)
+    model, opt, step = _sgd_worker(collective_timeout)
     import tensorflow as tf
 
-    from distgrad.lab.data import tiny_model
-    from distgrad.lab.recipes import make_replica_step
-
-    with strategy.scope():
-        model, opt = tiny_model(), _optimizer("sgd")()
-        opt.build(model.trainable_variables)
-    _, _, x_local, y_local = _shard(task_index, num_workers)
-    replica_step = make_replica_step(GLOBAL_BATCH)
-
-    @tf.function
-    def step(xb, yb):
-        return strategy.run(replica_step, args=(model, opt, xb, yb))
-
+    x_local, y_local = _shard(task_index, num_workers)[2:]
     for _ in range(steps):
-        step(tf.constant(x_local), tf.constant(y_local))
+        step(x_local, y_local)
     is_chief = task_index == 0
     target = directory if is_chief else tempfile.mkdtemp(prefix=f"worker{task_index}-")
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(f"{target}/ckpt")
