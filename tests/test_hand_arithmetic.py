@@ -41,6 +41,18 @@ def test_accumulating_optimizer_sgd_call_by_call_without_a_strategy():
     assert _counters(optimizer) == (1, 3, 1)
 
 
+def _replica_shares_call(strategy, optimizer, variable):
+    """`call(g)`: one `optimizer.apply` in which replica r passes gradient (r + 1) * g."""
+    @tf.function
+    def call(g):
+        def replica_fn():
+            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+            optimizer.apply([(r + 1.0) * g], [variable])
+        strategy.run(replica_fn)
+
+    return call
+
+
 def test_accumulating_optimizer_momentum_on_two_replicas_call_by_call(strategy2):
     # Replica r passes gradient (r + 1) * g: its share of the summed gradient 3 * g.
     with strategy2.scope():
@@ -48,12 +60,7 @@ def test_accumulating_optimizer_momentum_on_two_replicas_call_by_call(strategy2)
         optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), 2)
         optimizer.build([variable])
 
-    @tf.function
-    def call(g):
-        def replica_fn():
-            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
-            optimizer.apply([(r + 1.0) * g], [variable])
-        strategy2.run(replica_fn)
+    call = _replica_shares_call(strategy2, optimizer, variable)
 
     call(tf.constant([1.0]))  # replicas hold 1 and 2
     assert float(variable.numpy()[0]) == 1.0
@@ -161,12 +168,7 @@ def test_flush_on_two_replicas_divides_by_the_micro_steps_seen(strategy2):
         optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.1), 3)
         optimizer.build([variable])
 
-    @tf.function
-    def call(g):
-        def replica_fn():
-            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
-            optimizer.apply([(r + 1.0) * g], [variable])
-        strategy2.run(replica_fn)
+    call = _replica_shares_call(strategy2, optimizer, variable)
 
     call(tf.constant([1.0]))  # shares 1 and 2: sum 3
     call(tf.constant([3.0]))  # shares 3 and 6: sum 12 over both micro-steps
