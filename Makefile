@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lessons site site-test chromium serve unit bench clean
+.PHONY: course test install lessons site site-test chromium serve unit bench gpu-check clean
 
 install: $(STAMP)
 
@@ -86,6 +86,21 @@ test: install
 bench: install
 	$(PY) -m pip install -e '.[bench]'
 	$(PY) -m benchmarks.run
+
+# GPU machines only (docs/guides/gpu.md; not part of `make test`): every lesson executed on
+# the GPUs one at a time, then the checks the CPU simulation cannot make
+# (tests/gpu_checks.py), summed up in build/gpu-check/report.md. Fails if any failed.
+GPU_CHECK := build/gpu-check
+gpu-check: install
+	rm -rf $(GPU_CHECK) && mkdir -p $(GPU_CHECK) $(EXECUTED)
+	@$(PY) -c "import sys, tensorflow as tf; sys.exit(0 if tf.config.list_physical_devices('GPU') else 'make gpu-check: TensorFlow sees no GPU (docs/guides/gpu.md says how to install tensorflow[and-cuda]).')"
+	rm -f $(EXECUTED)/*.ipynb && cp notebooks/*.ipynb $(EXECUTED)/
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) \
+	  --overwrite -p no:cacheprovider --junitxml=$(GPU_CHECK)/lessons.xml $(EXECUTED) ; \
+	  lessons=$$? ; \
+	  $(PY) -m pytest tests/gpu_checks.py -p no:cacheprovider --junitxml=$(GPU_CHECK)/checks.xml ; \
+	  checks=$$? ; \
+	  $(PY) tests/gpu_report.py $(GPU_CHECK) && test $$lessons = 0 && test $$checks = 0
 
 clean:
 	rm -rf site build $(EXECUTED)/*.ipynb

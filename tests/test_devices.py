@@ -71,3 +71,22 @@ def test_distgrad_replicas_environment_variable_chooses_the_count():
     result = run_child("workers_for_tests:replicas_in_sync",
                        env={**TESTS_ON_PATH, "DISTGRAD_REPLICAS": "3"})
     assert result.value == 3
+
+
+def test_whole_gpus_grow_their_memory_so_processes_can_share_them(monkeypatch):
+    # Simulated: TensorFlow here sees no GPU, so tf.config answers as on a 2-GPU machine.
+    import tensorflow as tf
+
+    from distgrad.devices import replica_devices
+
+    gpus = ["GPU:0", "GPU:1"]
+    grown = []
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: gpus if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda device: None)
+    monkeypatch.setattr(tf.config.experimental, "set_memory_growth",
+                        lambda device, enable: grown.append((device, enable)))
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: [type("D", (), {"name": f"/{g}"}) for g in gpus])
+    assert replica_devices(2) == ["/GPU:0", "/GPU:1"]
+    assert grown == [("GPU:0", True), ("GPU:1", True)]

@@ -94,9 +94,19 @@ def _configure_logical_devices(plan: DevicePlan) -> None:
 def replica_devices(replicas: int | None = None) -> list[str]:
     """Configure (if needed) and return the device names for `replicas` replicas."""
     replicas = resolve_replicas(replicas)
-    plan = plan_devices(replicas, len(tf.config.list_physical_devices("GPU")))
+    gpus = tf.config.list_physical_devices("GPU")
+    plan = plan_devices(replicas, len(gpus))
     if plan.split:
         _configure_logical_devices(plan)
+    elif plan.device_type == "GPU":
+        # Whole GPUs: allocate as needed rather than all memory up front, so that several
+        # processes (test workers, lesson kernels, workers of a local cluster) share them.
+        for gpu in gpus:
+            if tf.config.get_logical_device_configuration(gpu) is None:
+                try:
+                    tf.config.experimental.set_memory_growth(gpu, True)
+                except RuntimeError:  # the runtime has started: it keeps what it chose
+                    pass
     devices = [d.name for d in tf.config.list_logical_devices(plan.device_type)]
     if len(devices) < replicas:
         raise RuntimeError(

@@ -156,7 +156,8 @@ class FreshProcessMeasurement:
         return self.rss_peak - self.rss_before
 
 
-def wide_mlp(features: int, hidden: int, layers: int, accumulation_steps: int):
+def wide_mlp(features: int, hidden: int, layers: int, accumulation_steps: int,
+             non_finite: str = "raise"):
     """A `MicroBatchingModel` tanh MLP (`layers` x `hidden`) compiled with SGD and MSE.
 
     Wide on purpose: its backward pass keeps `layers` activations of shape
@@ -172,7 +173,7 @@ def wide_mlp(features: int, hidden: int, layers: int, accumulation_steps: int):
     for _ in range(layers):
         h = keras.layers.Dense(hidden, activation="tanh")(h)
     model = MicroBatchingModel(inputs, keras.layers.Dense(1)(h),
-                               accumulation_steps=accumulation_steps)
+                               accumulation_steps=accumulation_steps, non_finite=non_finite)
     model.compile(keras.optimizers.SGD(0.01), "mse")
     return model
 

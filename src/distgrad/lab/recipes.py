@@ -225,18 +225,18 @@ def _counters(optimizer) -> tuple[int, int]:
 
 
 def fit_run(strategy, optimizer_factory, x, y, batch_size: int, epochs: int = 1,
-            model_factory=tiny_model, loss="mse") -> TrainingRun:
+            model_factory=tiny_model, loss="mse", jit_compile="auto") -> TrainingRun:
     """`model.fit(x, y, batch_size, shuffle=False)` of a fresh model under `strategy`.
 
     `strategy=None` trains without a strategy. The model and `optimizer_factory()` are
     created inside `strategy.scope()`, as Keras requires. Seeded initializers and no
-    shuffling make two runs comparable weight for weight.
+    shuffling make two runs comparable weight for weight. `jit_compile` is `compile`'s.
     """
     strategy = strategy or tf.distribute.get_strategy()
     with strategy.scope():
         model = model_factory()
         optimizer = optimizer_factory()
-        model.compile(optimizer=optimizer, loss=loss)
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
     initial = weights_of(model)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     updates, total_micro_steps = _counters(model.optimizer)
