@@ -51,13 +51,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.lab.compare import (
-    OPTIMIZERS,
-    check_close,
-    mirrored_copies_agree,
-    weight_diff,
-    weights_of,
-)
+from distgrad.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weight_diff, weights_of
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import count_collectives
 from distgrad.lab.recipes import big_batch_reference, run_steps
@@ -307,11 +301,14 @@ reg = regularization_scaling.reproduce(strategy, examples=GLOBAL_BATCH)
 print(f"max abs diff vs one device: scaled penalty {reg.scaled_vs_one_device.max_abs:.1e}, "
       f"unscaled {reg.unscaled_vs_one_device.max_abs:.1e}")
 print(f"unscaled excess = x{reg.excess_ratio:.6f} of -(R - 1)·lr·l2·w")
-print("under the scope:", textwrap.fill(reg.cross_replica_error, 80, subsequent_indent="  "))
+error = reg.cross_replica_error
+print("under the scope:", textwrap.fill(f"{error.type}: {error.message}", 80,
+                                        subsequent_indent="  "))
 assert reg.scaled_vs_one_device.within()
 assert not reg.unscaled_vs_one_device.within()
 assert reg.excess_vs_expected.within()  # the penalty's gradient, R - 1 extra times
-assert "cross replica context" in reg.cross_replica_error
+assert reg.cross_replica_error.type == "RuntimeError"
+assert reg.cross_replica_error.contains("cross replica context")
 
 # %% [markdown]
 # ### The smaller last batch

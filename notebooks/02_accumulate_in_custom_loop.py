@@ -62,14 +62,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
 
-from distgrad.lab.compare import (
-    OPTIMIZERS,
-    check_close,
-    check_not_close,
-    update_ratio,
-    updates,
-    weights_of,
-)
+from distgrad.lab.compare import (OPTIMIZERS, check_close, check_not_close, update_ratio,
+                                  updates, weights_of)
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import count_collectives, graph_op_types
 from distgrad.lab.recipes import big_batch_reference

@@ -44,7 +44,7 @@ import distgrad
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 
-from distgrad.lab.display import show_code, show_environment, show_table
+from distgrad.lab.display import show_code, show_environment, show_table, statements
 
 show_environment(distgrad.environment_report(strategy))
 
@@ -216,24 +216,13 @@ assert "self, grads_and_vars, name=None, experimental_aggregate_gradients=True" 
 
 
 # %% [markdown]
-# Fix 1, and nothing else: unpack them.
+# Fix 1, and nothing else: `apply_accu_gradients` takes the tuple and the dict it is
+# handed as the two arguments they are, and unpacks them for the original.
 
 # %%
 class StarredPatch(_GradientAccumulationPatch):
-    def apply_gradients(self, grads_and_vars, *args, **kwargs):
-
-        trainable_variables = [var for (_, var) in grads_and_vars]
-        gradients = [grad for (grad, _) in grads_and_vars]
-
-        for i, grad in enumerate(gradients):
-            self.accu_gradients[i].assign_add(grad)
-
-        tf.cond(
-            self._can_apply_on_next_step(),
-            # fix 1
-            true_fn=lambda: self.apply_accu_gradients(trainable_variables, *args, **kwargs),
-            false_fn=lambda: None
-        )
+    def apply_accu_gradients(self, trainable_variables, args, kwargs):  # fix 1
+        super().apply_accu_gradients(trainable_variables, *args, **kwargs)
 
 
 starred = cond_merge_call.reproduce(None, StarredPatch, n=2, micro_steps=4)
@@ -261,19 +250,7 @@ assert first == ["v0", "v1"] and second == []
 # %%
 class CallsFixedCondPatch(StarredPatch):
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        grads_and_vars = list(grads_and_vars)  # fix 2
-        trainable_variables = [var for (_, var) in grads_and_vars]
-        gradients = [grad for (grad, _) in grads_and_vars]
-
-        for i, grad in enumerate(gradients):
-            self.accu_gradients[i].assign_add(grad)
-
-        tf.cond(
-            self._can_apply_on_next_step(),
-            # fix 1
-            true_fn=lambda: self.apply_accu_gradients(trainable_variables, *args, **kwargs),
-            false_fn=lambda: None
-        )
+        super().apply_gradients(list(grads_and_vars), *args, **kwargs)  # fix 2
 
 
 fixed_calls = {"no strategy": cond_merge_call.reproduce(None, CallsFixedCondPatch),
@@ -294,8 +271,8 @@ print("RuntimeError:", cond_merge_call.MERGE_CALL_ERROR, "...")
 # %% [markdown]
 # Now the question's error. Without a strategy the same code trains: there
 # `apply_gradients` has no `merge_call` at all (`strategy_supports_no_merge_call()` is
-# true), so nothing crosses threads. (`distgrad.pitfalls.cond_merge_call` holds the same
-# classes, `QuestionCondPatch` being the posted one, for the tests.)
+# true), so nothing crosses threads. (`distgrad.pitfalls.cond_merge_call.CondPatch` is this
+# patch reduced to what fails, for the tests and for a fresh process below.)
 #
 # ## 2 · Keras 3's built-in `gradient_accumulation_steps` hits the same wall
 #
@@ -362,9 +339,9 @@ show_source(mirrored_strategy.MirroredExtended._use_merge_call,
 
 # %% [markdown]
 # Outside XLA, then, `MultiWorkerMirroredStrategy` is a `merge_call` strategy too. Here is
-# the same patch (with both Python bugs fixed) under a single-worker
-# `MultiWorkerMirroredStrategy`, in a fresh process without `TF_CONFIG` (one worker, its
-# local devices):
+# the same cond around `apply_gradients` (`cond_merge_call.CondPatch`) under a
+# single-worker `MultiWorkerMirroredStrategy`, in a fresh process without `TF_CONFIG` (one
+# worker, its local devices):
 
 # %%
 multiworker = cond_merge_call.reproduce_under_multiworker()
@@ -421,8 +398,7 @@ class CrossReplicaCondPatch(CallsFixedCondPatch):
         def cross_replica_step(distribution):  # runs once, for all replicas
             def apply_on_replicas():
                 distribution.extended.call_for_each_replica(
-                    self.apply_accu_gradients, args=(trainable_variables, *args),
-                    kwargs=kwargs)
+                    self.apply_accu_gradients, args=(trainable_variables, args, kwargs))
 
             tf.cond(self._can_apply_on_next_step(), apply_on_replicas, lambda: None)
 
@@ -537,6 +513,19 @@ assert (placement.every_call, placement.conditional) == (0, 2)
 show_code(mask_trick.QuestionMaskPatch)
 
 # %% [markdown]
+# The question changes only `apply_gradients`; the rest is the class of §1, statement for
+# statement (`statements` compares the code, not its line breaks, comments or docstring):
+
+# %%
+posted_init = statements(_GradientAccumulationPatch.__init__)
+mask_init = statements(mask_trick.QuestionMaskPatch.__init__)
+assert [s for s in mask_init if "attr='calls'" not in s] == posted_init  # but the counter
+assert (statements(mask_trick.QuestionMaskPatch._can_apply_on_next_step)
+        == statements(_GradientAccumulationPatch._can_apply_on_next_step))
+print(f"__init__: {len(posted_init)} statements as posted, + 1 counter; "
+      "_can_apply_on_next_step: as posted")
+
+# %% [markdown]
 # `mask_trick.patch_with_mask` installs it and divides the gradients by k, so that, where
 # it works, it averages like one big batch. `mask_trick.reproduce` feeds the same n·k
 # micro-batches of B through `model.fit` on R replicas with the mask trick and with
@@ -643,8 +632,9 @@ fig.tight_layout()
 #
 # ## Exercises
 #
-# 1. Make `CrossReplicaCondPatch` average: in a subclass, override `apply_accu_gradients`
-#    to pass `[g / self.n for g in self.accu_gradients]`. Then run
+# 1. Make `CrossReplicaCondPatch` average: in a subclass, override
+#    `apply_accu_gradients(self, trainable_variables, args, kwargs)` to pass
+#    `[g / tf.cast(self.n, g.dtype) for g in self.accu_gradients]`. Then run
 #    `weight_diff(cond_merge_call.patched_run(strategy, YourPatch, OPTIMIZERS["momentum"],
 #    x, y, MICRO_BATCH, STEPS, fit=True).final, references["momentum"].final)`: is it now
 #    within 1e-6 in `model.fit`?

@@ -205,23 +205,6 @@ def test_step_collectives_finds_an_all_reduce_inside_a_while_body():
     assert (counts.all_reduces, counts.in_while_bodies, counts.while_loops) == (1, 1, 1)
 
 
-def test_keras_does_not_autograph_train_step_so_the_loop_must_be_explicit():
-    class PythonLoop(keras.Model):
-        def train_step(self, data):
-            total = tf.constant(0.0)
-            for _ in tf.range(2):
-                total += 1.0
-            return {"total": total}
-
-    inputs = keras.Input((4,))
-    model = PythonLoop(inputs, keras.layers.Dense(1)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
-    x, y = regression_data(4)
-    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError,
-                       match="Iterating over a symbolic `tf.Tensor` is not allowed"):
-        model.fit(x, y, batch_size=4, verbose=0)
-
-
 # --- mixed precision ---------------------------------------------------------------------
 
 

@@ -17,20 +17,12 @@ def merge_calls_of_one_sgd_step() -> dict:
     from distgrad.devices import make_strategy
 
     strategy = make_strategy(2)
-    import keras
     import tensorflow as tf
 
-    from distgrad.lab.data import regression_data, tiny_model
-    from distgrad.lab.recipes import make_replica_step
+    from distgrad.lab.recipes import untraced_sgd_step
     from distgrad.lab.spy import spying
 
-    x, y = regression_data(16)
-    with strategy.scope():
-        model, optimizer = tiny_model(), keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-    step = make_replica_step(16)
-    batch = next(iter(strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(16))))
+    distributed_step, batch = untraced_sgd_step(strategy)
     merge_fns, reduce_contexts = [], []
 
     def before(spec, owner, args):
@@ -39,10 +31,6 @@ def merge_calls_of_one_sgd_step() -> dict:
         else:
             reduce_contexts.append(tf.distribute.in_cross_replica_context())
         return args
-
-    @tf.function
-    def distributed_step(batch):
-        return strategy.run(step, args=(model, optimizer, *batch))
 
     with spying([(DISTRIBUTE_LIB, "ReplicaContext", "merge_call"),
                  (DISTRIBUTE_LIB, "StrategyExtendedV2", "batch_reduce_to")], before):

@@ -2,11 +2,9 @@
 import keras
 import tensorflow as tf
 
-kind = "GPU" if len(tf.config.list_physical_devices("GPU")) >= 2 else "CPU"
-if kind == "CPU":  # fewer than 2 GPUs: split the CPU into 2 logical devices
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-strategy = tf.distribute.MirroredStrategy([f"/{kind}:0", f"/{kind}:1"])
+cpu = tf.config.list_physical_devices("CPU")[0]  # 2 logical CPU devices: runs on any machine
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"])
 
 with strategy.scope():
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])

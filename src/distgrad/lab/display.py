@@ -3,12 +3,15 @@
 `markdown_table(headers, rows)` returns the markdown text (pure, tested);
 `show_table(...)` displays it; `show_environment(report)` displays the versions and
 devices of `distgrad.environment_report` as a two-column table; `show_code(obj)`
-returns the source of a function or class as an `IPython.display.Code` block.
+returns the source of a function or class as an `IPython.display.Code` block;
+`statements(function)` says what two copies of code must agree on.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 
 def _cell(value) -> str:
@@ -66,3 +69,14 @@ def show_code(obj):
     from IPython.display import Code
 
     return Code(inspect.getsource(obj), language="python")
+
+
+def statements(function) -> list[str]:
+    """The statements of `function`'s body, each as `ast.dump`: what the code does, without
+    its layout, comments and docstring. Two copies of a function written with other line
+    breaks or comments have equal `statements`."""
+    [definition] = ast.parse(textwrap.dedent(inspect.getsource(function))).body
+    body = definition.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return [ast.dump(statement) for statement in body]

@@ -153,6 +153,8 @@ class FreshProcessMeasurement:
 
     @property
     def rss_growth(self) -> int:
+        """`rss_peak - rss_before`: how far the process' resident memory rose above its
+        level before the first `fit` (tracing included), as the OS counts it."""
         return self.rss_peak - self.rss_before
 
 

@@ -1,7 +1,8 @@
 """The training recipes lessons and tests compare, weight for weight.
 
 * `big_batch_reference`: plain steps on the whole batch, one device: the reference.
-* `make_replica_step` + `run_steps`: a custom loop, `strategy.run(replica_step)` per step.
+* `make_replica_step` + `run_steps`: a custom loop, `strategy.run(replica_step)` per step;
+  `untraced_sgd_step`: one such step, not yet traced, for spies.
 * `fit_run` / `custom_loop_run`: `model.fit` and a per-batch custom loop with any
   optimizer (e.g. `AccumulatingOptimizer`).
 
@@ -22,7 +23,7 @@ import tensorflow as tf
 from distgrad.clipping import clip_by_global_norm_across_replicas
 from distgrad.lab.args import positive_int
 from distgrad.lab.compare import mirrored_copies_agree, weights_of
-from distgrad.lab.data import per_example_squared_error, tiny_model
+from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
 
 LOSS_SCALINGS = ("global", "per_replica_mean")
 APPLY_MODES = ("optimizer", "none", "all_reduce_then_optimizer", "clip_after_sync")
@@ -154,6 +155,29 @@ def run_steps(strategy, optimizer_factory, x, y, replica_step, steps: int = 1,
     )
 
 
+def untraced_sgd_step(strategy, examples: int = 16):
+    """`(distributed_step, batch)`: a `tf.function` not traced yet, which runs
+    `make_replica_step(examples)` through `strategy.run` on a fresh `tiny_model` with a
+    built `SGD(0.1)`, and one distributed batch of `regression_data(examples)`.
+
+    Tracing it, `distributed_step.get_concrete_function(batch)`, runs the Python of one
+    SGD step (what a spy sees) and updates nothing.
+    """
+    x, y = regression_data(examples)
+    with strategy.scope():
+        model, optimizer = tiny_model(), keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+    step = make_replica_step(examples)
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(examples))))
+
+    @tf.function
+    def distributed_step(batch):
+        return strategy.run(step, args=(model, optimizer, *batch))
+
+    return distributed_step, batch
+
+
 def big_batch_reference(optimizer_factory, x, y, steps: int = 1, model_factory=tiny_model,
                         loss_fn=per_example_squared_error) -> list[np.ndarray]:
     """Weights after `steps` plain steps on the whole `(x, y)` batch, one device, no strategy.
@@ -208,6 +232,8 @@ class TrainingRun:
 
     `updates` is `optimizer.iterations` (updates made); `total_micro_steps` the
     micro-batches an `AccumulatingOptimizer` accumulated (`updates` for other optimizers).
+    A custom loop also returns its `step_function` (the `tf.function` that ran) and the
+    last distributed `batch` it ran on, for graph inspection.
     """
 
     initial: list
@@ -216,6 +242,8 @@ class TrainingRun:
     total_micro_steps: int
     model: object
     optimizer: object
+    step_function: object = None
+    batch: object = None
 
 
 def _counters(optimizer) -> tuple[int, int]:
@@ -225,17 +253,22 @@ def _counters(optimizer) -> tuple[int, int]:
 
 
 def fit_run(strategy, optimizer_factory, x, y, batch_size: int, epochs: int = 1,
-            model_factory=tiny_model, loss="mse", jit_compile="auto") -> TrainingRun:
+            model_factory=tiny_model, loss="mse", prepare=None,
+            jit_compile="auto") -> TrainingRun:
     """`model.fit(x, y, batch_size, shuffle=False)` of a fresh model under `strategy`.
 
     `strategy=None` trains without a strategy. The model and `optimizer_factory()` are
-    created inside `strategy.scope()`, as Keras requires. Seeded initializers and no
-    shuffling make two runs comparable weight for weight. `jit_compile` is `compile`'s.
+    created inside `strategy.scope()`, as Keras requires; there `prepare(model,
+    optimizer)`, if given, runs before `compile` (e.g. to patch the optimizer). Seeded
+    initializers and no shuffling make two runs comparable weight for weight.
+    `jit_compile` is `compile`'s.
     """
     strategy = strategy or tf.distribute.get_strategy()
     with strategy.scope():
         model = model_factory()
         optimizer = optimizer_factory()
+        if prepare is not None:
+            prepare(model, optimizer)
         model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
     initial = weights_of(model)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
@@ -244,11 +277,15 @@ def fit_run(strategy, optimizer_factory, x, y, batch_size: int, epochs: int = 1,
 
 
 def custom_loop_run(strategy, optimizer_factory, x, y, batch_size: int,
-                    model_factory=tiny_model) -> TrainingRun:
+                    model_factory=tiny_model, loss_batch: int | None = None,
+                    prepare=None) -> TrainingRun:
     """A `tf.function` custom loop: one `strategy.run(replica_step)` per batch of `x`.
 
-    `replica_step` is `make_replica_step(batch_size)`: per-example loss
-    over the global batch, then `optimizer.apply_gradients` in replica context.
+    `replica_step` is `make_replica_step(loss_batch or batch_size)`: per-example loss
+    summed and divided by `loss_batch` (default: the global batch), then
+    `optimizer.apply_gradients` in replica context. `strategy=None` trains without a
+    strategy. Under `strategy.scope()` the model is created and the optimizer built,
+    then `prepare(model, optimizer)` runs if given (e.g. to patch the optimizer).
     """
     strategy = strategy or tf.distribute.get_strategy()
     if len(x) % batch_size:
@@ -257,8 +294,10 @@ def custom_loop_run(strategy, optimizer_factory, x, y, batch_size: int,
         model = model_factory()
         optimizer = optimizer_factory()
         optimizer.build(model.trainable_variables)
+        if prepare is not None:
+            prepare(model, optimizer)
     initial = weights_of(model)
-    replica_step = make_replica_step(batch_size)
+    replica_step = make_replica_step(loss_batch or batch_size)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
     @tf.function
@@ -268,7 +307,8 @@ def custom_loop_run(strategy, optimizer_factory, x, y, batch_size: int,
     for batch in strategy.experimental_distribute_dataset(dataset):
         distributed_step(batch)
     updates, total_micro_steps = _counters(optimizer)
-    return TrainingRun(initial, weights_of(model), updates, total_micro_steps, model, optimizer)
+    return TrainingRun(initial, weights_of(model), updates, total_micro_steps, model, optimizer,
+                       step_function=distributed_step, batch=batch)
 
 
 def sgd_update_ratio(strategy, x, y, replica_step, learning_rate: float = 0.1):

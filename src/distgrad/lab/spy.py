@@ -80,21 +80,23 @@ def spying(methods, before=None, after=None):
 
 # --- the sync path of apply_gradients (lesson 01) -------------------------------------
 
-# (module, class, method): the places where a gradient's journey changes context.
-SYNC_PATH_FUNCTIONS = (
-    ("keras.src.optimizers.base_optimizer", "BaseOptimizer", "apply_gradients"),
-    ("keras.src.optimizers.base_optimizer", "BaseOptimizer", "apply"),
-    ("keras.src.optimizers.base_optimizer", "BaseOptimizer", "_clip_gradients"),
-    ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", "_backend_update_step"),
-    ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", "_all_reduce_sum_gradients"),
-    ("tensorflow.python.distribute.distribute_lib", "ReplicaContext", "all_reduce"),
-    ("tensorflow.python.distribute.distribute_lib", "ReplicaContext", "merge_call"),
-    ("tensorflow.python.distribute.distribute_lib", "StrategyExtendedV2", "batch_reduce_to"),
-    ("keras.src.backend.tensorflow.optimizer", "TFOptimizer", "_distributed_tf_update_step"),
-    ("tensorflow.python.distribute.distribute_lib", "StrategyExtendedV2", "update"),
-    ("keras.src.optimizers.sgd", "SGD", "update_step"),
-    ("keras.src.optimizers.adam", "Adam", "update_step"),
+# The places where a gradient's journey changes context, in path order, as
+# `module.Class.method`; SYNC_PATH_FUNCTIONS holds them as `spying`'s triples.
+SYNC_PATH = (
+    "keras.src.optimizers.base_optimizer.BaseOptimizer.apply_gradients",
+    "keras.src.optimizers.base_optimizer.BaseOptimizer.apply",
+    "keras.src.optimizers.base_optimizer.BaseOptimizer._clip_gradients",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._backend_update_step",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
+    "tensorflow.python.distribute.distribute_lib.ReplicaContext.all_reduce",
+    "tensorflow.python.distribute.distribute_lib.ReplicaContext.merge_call",
+    "tensorflow.python.distribute.distribute_lib.StrategyExtendedV2.batch_reduce_to",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._distributed_tf_update_step",
+    "tensorflow.python.distribute.distribute_lib.StrategyExtendedV2.update",
+    "keras.src.optimizers.sgd.SGD.update_step",
+    "keras.src.optimizers.adam.Adam.update_step",
 )
+SYNC_PATH_FUNCTIONS = tuple(tuple(name.rsplit(".", 2)) for name in SYNC_PATH)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,29 +82,31 @@ class BatchNormRecord:
 
 def reproduce(strategy, micro_batches: int = 2, examples: int = 16,
               learning_rate: float = 0.1) -> BatchNormRecord:
+    """One SGD step of `batchnorm_model` on `examples` examples: on `strategy`'s replicas
+    (plain and synchronized BatchNorm) and accumulated over `micro_batches` on one device,
+    each against one big-batch step on one device; the same accumulation of
+    `layernorm_model` against its own big-batch step.
+    """
     x, y = regression_data(examples)
-    sgd = lambda: keras.optimizers.SGD(learning_rate)  # noqa: E731
-    reference_model = batchnorm_model
+    sgd = lambda: keras.optimizers.SGD(learning_rate)
+    trainable_positions = [i for i, w in enumerate(batchnorm_model().weights) if w.trainable]
 
-    probe = batchnorm_model()
-    trainable_positions = [i for i, w in enumerate(probe.weights) if w.trainable]
-
-    def trainable(_factory, weights):
+    def trainable(weights):
         # run_steps and big_batch_reference return all weights (BN moving stats too)
         return [weights[i] for i in trainable_positions]
 
-    reference = trainable(reference_model, big_batch_reference(sgd, x, y, model_factory=reference_model))
+    reference = trainable(big_batch_reference(sgd, x, y, model_factory=batchnorm_model))
     step = make_replica_step(examples)
     plain = run_steps(strategy, sgd, x, y, step, model_factory=batchnorm_model)
     synced_factory = functools.partial(batchnorm_model, synchronized=True)
     synced = run_steps(strategy, sgd, x, y, step, model_factory=synced_factory)
     accumulated = accumulated_on_one_device(x, y, micro_batches, learning_rate)
-    initial = trainable(reference_model, weights_of(batchnorm_model()))
+    initial = trainable(weights_of(batchnorm_model()))
     layer_norm = accumulated_on_one_device(x, y, micro_batches, learning_rate, layernorm_model)
     return BatchNormRecord(
         replicas=strategy.num_replicas_in_sync,
-        replicas_plain_bn=weight_diff(trainable(batchnorm_model, plain.final), reference),
-        replicas_synchronized_bn=weight_diff(trainable(synced_factory, synced.final), reference),
+        replicas_plain_bn=weight_diff(trainable(plain.final), reference),
+        replicas_synchronized_bn=weight_diff(trainable(synced.final), reference),
         accumulated_micro_batches=weight_diff(
             [v.numpy() for v in accumulated.trainable_weights], reference),
         one_device_update_max_abs=float(max(np.abs(a - b).max() for a, b in zip(reference, initial))),

@@ -17,6 +17,9 @@ from distgrad.pitfalls import CapturedError
 
 @dataclasses.dataclass(frozen=True)
 class DoubleSumRecord:
+    """`ratio`: the update over one device's (R with SGD); `all_reduces` in the traced
+    step; `aggregate_flag_error`: what tf.keras' way out raises in Keras 3."""
+
     replicas: int
     ratio: float
     all_reduces: int
@@ -24,6 +27,10 @@ class DoubleSumRecord:
 
 
 def reproduce(strategy, learning_rate: float = 0.1, examples: int = 16) -> DoubleSumRecord:
+    """One SGD step on `examples` examples whose replica step SUM-all-reduces its
+    gradients itself and then calls `apply_gradients`, against one big-batch step on one
+    device; then `apply_gradients(..., experimental_aggregate_gradients=False)`.
+    """
     x, y = regression_data(examples)
     run, ratio = sgd_update_ratio(
         strategy, x, y, make_replica_step(len(x), apply="all_reduce_then_optimizer"),

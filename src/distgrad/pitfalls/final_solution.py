@@ -33,7 +33,9 @@ class QuestionFinalSolutionModel(keras.Model):
     removed private imports (`lso` -> `keras.optimizers.LossScaleOptimizer`,
     `ds_context` -> `tf.distribute`, `nest` -> `tf.nest`), `get_scaled_loss` ->
     `scale_loss`, `super(self).fit` -> `super().fit` (a TypeError otherwise),
-    `_HAS_AGGREGATE_GRAD` (gone) -> False.
+    `_HAS_AGGREGATE_GRAD` (gone) -> False. The posted code writes one micro-batch's
+    forward pass, loss, gradients and metrics twice, before the loop and in its body;
+    here they are written once (`micro_batch_gradients`), op for op the same.
     """
 
     def fit(self, *args, batch_size: int = 32, grad_accum_steps: int = 1, **kwargs):
@@ -64,29 +66,25 @@ class QuestionFinalSolutionModel(keras.Model):
 
         lso = keras.optimizers.LossScaleOptimizer
         step = self._batch_size_ // self._num_workers_ // self._grad_accum_
-        x_, y_, w_ = (slice_map(s, 0, step) for s in (x, y, sample_weight))
-        with tf.GradientTape() as tape:
-            y_pred = self(x_, training=True)
-            loss = self.compiled_loss(y_, y_pred, sample_weight=w_,
-                                      regularization_losses=self.losses)
-            if isinstance(self.optimizer, lso):
-                loss = self.optimizer.scale_loss(loss)
-        gradients = tape.gradient(loss, self.trainable_variables)
-        gradients = [g * (1.0 / self._grad_accum_) for g in gradients]
-        self.compiled_metrics.update_state(y_, y_pred)
 
-        def body(i, grad):
-            x_, y_, w_ = (slice_map(s, i, i + step) for s in (x, y, sample_weight))
+        def micro_batch_gradients(start):  # posted twice: before the loop and in its body
+            x_, y_, w_ = (slice_map(s, start, start + step) for s in (x, y, sample_weight))
             with tf.GradientTape() as tape:
                 y_pred = self(x_, training=True)
                 loss = self.compiled_loss(y_, y_pred, sample_weight=w_,
                                           regularization_losses=self.losses)
                 if isinstance(self.optimizer, lso):
                     loss = self.optimizer.scale_loss(loss)
-            _grad = tape.gradient(loss, self.trainable_variables)
-            _grad = [g * (1.0 / self._grad_accum_) for g in _grad]
-            grad = [g + _g for g, _g in zip(grad, _grad)]
+            gradients = tape.gradient(loss, self.trainable_variables)
+            gradients = [g * (1.0 / self._grad_accum_) for g in gradients]
             self.compiled_metrics.update_state(y_, y_pred)
+            return gradients
+
+        gradients = micro_batch_gradients(0)
+
+        def body(i, grad):
+            _grad = micro_batch_gradients(i)
+            grad = [g + _g for g, _g in zip(grad, _grad)]
             return [i + step, grad]
 
         _, gradients = tf.while_loop(lambda i, *_: i < self._batch_size_, body,

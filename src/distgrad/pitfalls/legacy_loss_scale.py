@@ -3,9 +3,9 @@
 tf-keras only: this module is imported in a `distgrad.lab.legacy.run_legacy` child,
 where `TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package;
 `distgrad.pitfalls.loss_scale_patch.legacy_reproduction` runs `run_scenarios` there.
-`GradientAccumulationPatch` is the question's patch (tensorflow/tensorflow#50454) for
-tf-keras, as the user ran it; `mask_trick.QuestionMaskPatch` is the Keras 3
-copy. `QuestionModel.train_step` is the question's (`get_scaled_loss` /
+`GradientAccumulationPatch` is the question's patch (tensorflow/tensorflow#50454,
+`question_mask_patch.QuestionMaskPatch`, the class Keras 3 runs too) under tf-keras, as
+the user ran it. `QuestionModel.train_step` is the question's (`get_scaled_loss` /
 `get_unscaled_gradients` by hand), with the era's `OptimizerV2` or tf-keras' newer
 optimizer inside `tf.keras.mixed_precision.LossScaleOptimizer`.
 """
@@ -22,63 +22,34 @@ import numpy as np
 import tensorflow as tf
 
 from distgrad.lab.legacy import legacy_strategy
+from distgrad.pitfalls.question_mask_patch import QuestionMaskPatch
 
 keras = tf.keras  # tf-keras here (checked by legacy_strategy)
 
 
-class GradientAccumulationPatch:
-    """The question's `_GradientAccumulationPatch`, verbatim but for three additions:
-    `calls` counts executions, `traces` records what each traced call received
-    (context, extra args, kwarg names), and `return_result=True` returns what the
-    original returned (the question returns None)."""
+class GradientAccumulationPatch(QuestionMaskPatch):
+    """The question's patch (`QuestionMaskPatch`, with its call counter) under tf-keras,
+    plus two additions: `traces` records what each traced call received (context,
+    extra args, kwarg names), and `return_result=True` returns what the original
+    returned (the question returns None)."""
 
     def __init__(self, n, orig_apply_gradients, trainable_variables):
-        self.n = tf.constant(n, dtype=tf.int64)
-        policy = tf.keras.mixed_precision.global_policy()
-        self.variable_dtype = policy.variable_dtype
-        self.accu_gradients = [
-            tf.Variable(tf.zeros(g.shape, dtype=g.dtype)) for g in trainable_variables]
-        self._current_step = tf.Variable(0, dtype=tf.int64)
-        self.calls = tf.Variable(0, dtype=tf.int64)
+        super().__init__(n, self._call_original, trainable_variables)
+        self._original, self._result = orig_apply_gradients, None
         self.traces = []
-        self._orig_apply_gradients = orig_apply_gradients
         self.return_result = False
+
+    def _call_original(self, *args, **kwargs):
+        self._result = self._original(*args, **kwargs)
+        return self._result
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         self.traces.append({
             "context": "cross-replica" if tf.distribute.in_cross_replica_context() else "replica",
             "args": [repr(a) for a in args], "kwargs": sorted(kwargs)})
-        self.calls.assign_add(1)
-        can_apply = self._can_apply_on_next_step()
-        # 1.0 whenever we want to apply gradients; 0.0 otherwise
-        apply = tf.cast(can_apply, dtype=self.variable_dtype)
-        # Will be 0.0 if apply is 1.0 and vice versa
-        keep = tf.cast(tf.logical_not(can_apply), dtype=self.variable_dtype)
-
-        grads_and_vars = list(grads_and_vars)
-        gradients = [grad for (grad, _) in grads_and_vars]
-        trainable_variables = [var for (_, var) in grads_and_vars]
-
-        # Accumulate gradients
-        for i, grad in enumerate(gradients):
-            self.accu_gradients[i].assign_add(grad)
-
-        # Multiply each gradient with our apply-signal
-        final_gradients = [grad * apply for grad in self.accu_gradients]
-
-        result = self._orig_apply_gradients(
-            zip(final_gradients, trainable_variables), *args, **kwargs)
-
-        # This will reset our buffer whenever "keep" is 0.0
-        for g in self.accu_gradients:
-            g.assign(g * keep)
-        if self.return_result:  # not in the question
-            return result
-
-    def _can_apply_on_next_step(self):
-        self._current_step.assign_add(1)
-        count_mod_steps = tf.math.mod(self._current_step, self.n)
-        return tf.equal(count_mod_steps, 0)
+        super().apply_gradients(grads_and_vars, *args, **kwargs)
+        if self.return_result:
+            return self._result
 
 
 class QuestionModel(keras.Model):

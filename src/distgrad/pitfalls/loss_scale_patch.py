@@ -5,7 +5,7 @@ an optimizer's `apply_gradients` with an accumulator that always calls the origi
 with `accumulated * apply` (apply = 0 or 1) and resets with `accumulated * keep`
 (keep = 1 - apply). Under `mixed_float16` the optimizer was a `LossScaleOptimizer`;
 patching it "did nothing", and patching its `inner_optimizer` "does not work either".
-`distgrad.pitfalls.mask_trick.QuestionMaskPatch` is that accumulator as posted
+`distgrad.pitfalls.question_mask_patch.QuestionMaskPatch` is that accumulator as posted
 (lesson 03 shows it is no accumulation for stateful optimizers).
 
 What actually happens (read from the installed source, shown by `spy_patched_fit`
@@ -53,7 +53,8 @@ from distgrad.lab.mixed import (
 )
 from distgrad.lab.spy import GradientSpy, SpyRecord, flat
 from distgrad.pitfalls import CapturedError
-from distgrad.pitfalls.mask_trick import QuestionMaskPatch, check_steps
+from distgrad.pitfalls.mask_trick import check_steps
+from distgrad.pitfalls.question_mask_patch import QuestionMaskPatch
 
 TARGETS = ("loss_scale_optimizer", "inner_optimizer", "none")
 GENERATIONS = ("legacy", "v3")
@@ -86,7 +87,7 @@ def patch_optimizer(optimizer, n: int, trainable_variables, target: str = "loss_
 
 # (module, class, method, how to find the gradients in the call's arguments)
 SPIED_METHODS = (
-    ("distgrad.pitfalls.mask_trick", "QuestionMaskPatch", "apply_gradients", "pairs"),
+    ("distgrad.pitfalls.question_mask_patch", "QuestionMaskPatch", "apply_gradients", "pairs"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer", "apply_gradients", "pairs"),
     ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", "apply", "list"),
     ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer", "check_finite", "list"),

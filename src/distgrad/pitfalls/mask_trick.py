@@ -18,9 +18,10 @@ flow. But it is not accumulation:
 * the all-reduce inside `apply_gradients` runs every micro-step: k all-reduces per
   update instead of 1.
 
-The patch itself is `QuestionMaskPatch` (the question's code as posted, plus a call
-counter; lesson 04 runs it under mixed precision). `patch_with_mask` feeds it gradients
-divided by k so that, where it works, it averages the micro-batches like one big batch.
+The patch itself is `QuestionMaskPatch` (`distgrad.pitfalls.question_mask_patch`: the
+question's code, plus a call counter; lesson 04 runs it under mixed precision).
+`patch_with_mask` feeds it gradients divided by k so that, where it works, it averages
+the micro-batches like one big batch.
 """
 
 from __future__ import annotations
@@ -37,72 +38,9 @@ from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import AllReducePlacement, fit_step_placement
 from distgrad.lab.recipes import fit_run
 from distgrad.optimizer import AccumulatingOptimizer
+from distgrad.pitfalls.question_mask_patch import QuestionMaskPatch
 
 # -- the mask trick -------------------------------------------------------------------
-
-
-class QuestionMaskPatch:
-    """The question's `_GradientAccumulationPatch` ("the more complicated path"), as posted.
-
-    Every call: count the step, add the gradients into `accu_gradients`, call the
-    original `apply_gradients` with `accu_gradients * apply` (apply = 1 on every
-    `n`-th call, else 0), then reset with `accu_gradients * keep`. Verbatim but for
-    one addition, marked: `calls` counts how often the patched method ran (a
-    variable, so it counts executions of a traced step, not traces). Like the
-    question's, it returns None and validates nothing (`check_steps` does, for the
-    installers). Create it where the question did: after the model is built, under
-    the strategy scope (the accumulators are then `MirroredVariable`s with aggregation
-    NONE, which every replica updates locally).
-    """
-
-    def __init__(self, n: int, orig_apply_gradients, trainable_variables):
-        self.n = tf.constant(n, dtype=tf.int64)
-        policy = tf.keras.mixed_precision.global_policy()
-        self.variable_dtype = policy.variable_dtype
-        self.accu_gradients = [
-            tf.Variable(
-                tf.zeros(g.shape, dtype=g.dtype),
-            ) for g in trainable_variables
-        ]
-
-        self._current_step = tf.Variable(0, dtype=tf.int64)
-        self.calls = tf.Variable(0, dtype=tf.int64)  # not in the question
-        self._orig_apply_gradients = orig_apply_gradients
-
-    def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        self.calls.assign_add(1)  # not in the question
-
-        can_apply = self._can_apply_on_next_step()
-        # 1.0 whenever we want to apply gradients; 0.0 otherwise
-        apply = tf.cast(can_apply, dtype=self.variable_dtype)
-        # Will be 0.0 if apply is 1.0 and vice versa
-        keep = tf.cast(tf.logical_not(can_apply), dtype=self.variable_dtype)
-
-        grads_and_vars = list(grads_and_vars)
-        gradients = [grad for (grad, _) in grads_and_vars]
-        trainable_variables = [var for (_, var) in grads_and_vars]
-
-        # Accumulate gradients
-        for i, grad in enumerate(gradients):
-            self.accu_gradients[i].assign_add(grad)
-
-        # Multiply each gradient with our apply-signal
-        final_gradients = [grad * apply for grad in self.accu_gradients]
-
-        self._orig_apply_gradients(zip(final_gradients, trainable_variables), *args, **kwargs)
-
-        # This will reset our buffer whenever "keep" is 0.0
-        for g in self.accu_gradients:
-            g.assign(g * keep)
-
-    def _can_apply_on_next_step(self):
-        """
-        :return: True if gradients should be applied; False otherwise.
-        """
-        # Increment (always do this first)
-        self._current_step.assign_add(1)
-        count_mod_steps = tf.math.mod(self._current_step, self.n)
-        return tf.equal(count_mod_steps, 0)
 
 
 def check_steps(n) -> int:
@@ -130,16 +68,14 @@ def patch_with_mask(optimizer, steps: int, trainable_variables) -> QuestionMaskP
     return patch
 
 
-def _masked_fit(strategy, optimizer_factory, x, y, micro_batch, steps):
-    strategy = strategy or tf.distribute.get_strategy()
-    with strategy.scope():
-        model = tiny_model()
-        optimizer = optimizer_factory()
-        model.compile(optimizer=optimizer, loss="mse")
+def _installer(steps: int):
+    """`prepare` for `fit_run`: build the optimizer, then `patch_with_mask` it."""
+
+    def install(model, optimizer):
         optimizer.build(model.trainable_variables)
-        patch = patch_with_mask(optimizer, steps, model.trainable_variables)
-    model.fit(x, y, batch_size=micro_batch, epochs=1, shuffle=False, verbose=0)
-    return model, optimizer, patch
+        patch_with_mask(optimizer, steps, model.trainable_variables)
+
+    return install
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +110,7 @@ def reproduce(strategy, optimizer: str = "adam", steps: int = 4, updates: int = 
     factory = OPTIMIZERS[optimizer]
     x, y = regression_data(micro_batch * steps * updates)
     reference = fit_run(None, factory, x, y, micro_batch * steps)
-    masked_model, masked_optimizer, _ = _masked_fit(strategy, factory, x, y, micro_batch, steps)
+    masked = fit_run(strategy, factory, x, y, micro_batch, prepare=_installer(steps))
     accumulated = fit_run(strategy, lambda: AccumulatingOptimizer(factory(), steps),
                           x, y, micro_batch)
     return MaskTrickRecord(
@@ -182,11 +118,11 @@ def reproduce(strategy, optimizer: str = "adam", steps: int = 4, updates: int = 
         replicas=strategy.num_replicas_in_sync,
         steps=steps,
         reference_updates=reference.updates,
-        mask_vs_big_batch=weight_diff(weights_of(masked_model), reference.final),
-        mask_iterations=int(masked_optimizer.iterations.numpy()),
+        mask_vs_big_batch=weight_diff(masked.final, reference.final),
+        mask_iterations=masked.updates,
         accumulating_vs_big_batch=weight_diff(accumulated.final, reference.final),
         accumulating_iterations=accumulated.updates,
-        mask_placement=fit_step_placement(masked_model, x, y, micro_batch),
+        mask_placement=fit_step_placement(masked.model, x, y, micro_batch),
         accumulating_placement=fit_step_placement(accumulated.model, x, y, micro_batch),
     )
 

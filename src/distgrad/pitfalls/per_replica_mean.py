@@ -25,6 +25,10 @@ class PerReplicaMeanRecord:
 
 
 def reproduce(strategy, learning_rate: float = 0.1, examples: int = 16) -> PerReplicaMeanRecord:
+    """One SGD step on `examples` examples with each replica's loss a `reduce_mean` of its
+    own examples, and one with the loss divided by the global batch, each against one
+    big-batch step on one device; with the loss `strategy.reduce(SUM)` reports for each.
+    """
     x, y = regression_data(examples)
     (mean_run, mean_ratio), (global_run, global_ratio) = (
         sgd_update_ratio(strategy, x, y, make_replica_step(len(x), scaling), learning_rate)

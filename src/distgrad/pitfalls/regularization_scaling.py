@@ -18,6 +18,7 @@ import tensorflow as tf
 from distgrad.lab.compare import WeightDiff, update_ratio, updates, weight_diff, weights_of
 from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
 from distgrad.lab.recipes import run_steps
+from distgrad.pitfalls import CapturedError
 
 
 def l2_penalty(model, l2: float):
@@ -48,7 +49,8 @@ class RegularizationRecord:
     `excess_vs_expected`: (unscaled update - one-device update) against the
     prediction -(R - 1) * learning_rate * l2 * w (the penalty's gradient applied R - 1
     extra times); `excess_ratio`: the least-squares multiple of that prediction.
-    `cross_replica_error`: what `scale_regularization_loss` raises under the scope.
+    `cross_replica_error`: what `scale_regularization_loss` raises under the scope (None:
+    nothing).
     """
 
     replicas: int
@@ -56,11 +58,15 @@ class RegularizationRecord:
     unscaled_vs_one_device: WeightDiff
     excess_vs_expected: WeightDiff
     excess_ratio: float
-    cross_replica_error: str
+    cross_replica_error: CapturedError | None
 
 
 def reproduce(strategy, l2: float = 0.01, learning_rate: float = 0.1,
               examples: int = 16) -> RegularizationRecord:
+    """One SGD step on `examples` examples of `mean loss + l2 penalty` on `strategy`'s
+    replicas, with the penalty scaled by `scale_regularization_loss` and without, each
+    against the same step on one device.
+    """
     x, y = regression_data(examples)
     replicas = strategy.num_replicas_in_sync
     sgd = lambda: keras.optimizers.SGD(learning_rate)
@@ -78,9 +84,9 @@ def reproduce(strategy, l2: float = 0.01, learning_rate: float = 0.1,
     try:
         with strategy.scope():
             tf.nn.scale_regularization_loss(tf.constant(1.0))
-        error = ""
+        error = None
     except RuntimeError as err:
-        error = str(err)
+        error = CapturedError.of(err)
     return RegularizationRecord(
         replicas=replicas,
         scaled_vs_one_device=weight_diff(scaled.final, one_device),
