@@ -11,7 +11,8 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
 REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
-                   "callbacks.py", "clipping.py", "normalization.py", "sparse.py")
+                   "callbacks.py", "clipping.py", "normalization.py", "sparse.py",
+                   "multi_worker.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
 
 

@@ -3,8 +3,10 @@ TensorFlow / Keras 3, and the page says so truthfully.
 
 Every docs/upstream/NAME.py runs as `__main__` in a fresh Python (`distgrad.lab.child`,
 target `upstream_runner:run_script`), with nothing but TensorFlow, Keras and NumPy; each
-sets up its own two replicas. A test asserts the defect's exact exception type and
-message fragment, or the exact wrong numbers. Where the page says tf-keras (Keras 2)
+sets up its own two replicas. A multi-worker one (MULTI_WORKER) runs twice, as the two
+workers of a local cluster (`distgrad.lab.multiworker.run_workers` sets their
+TF_CONFIG). A test asserts the defect's exact exception type and message fragment, or
+the exact wrong numbers. Where the page says tf-keras (Keras 2)
 does it right, the same file runs under tf-keras and must show no defect. When upstream
 fixes a defect its test fails: then update the page (and the course), not the test.
 """
@@ -24,6 +26,7 @@ import pytest
 import yaml
 
 from distgrad.lab.child import run_child
+from distgrad.lab.multiworker import run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "docs" / "upstream"
@@ -32,6 +35,7 @@ MAX_LINES = 25
 ALLOWED_IMPORTS = {"numpy", "tensorflow", "keras"}
 INVALID_ARGUMENT = "tensorflow.python.framework.errors_impl.InvalidArgumentError"
 UNFED = "You must feed a value for placeholder tensor"
+MULTI_WORKER = {"multi_worker_fit"}  # run as 2 worker processes, one replica each
 
 
 def _keras_adam_step(gradient_sum: float, sum_of_squares: float) -> float:
@@ -87,6 +91,11 @@ RUNS = {
         {"inline_result": 2.0, "nested_result": 2.0, "in_loop_result": 2.0},
         error_type=INVALID_ARGUMENT,
         fragments=(f"{UNFED} 'cond/then/",)),
+    ("multi_worker_fit", "keras"): Expected(
+        error_type="builtins.ValueError",
+        fragments=("Attempt to convert a value (PerReplica:{",
+                   ("with an unsupported type (<class 'tensorflow.python.distribute.values."
+                    "PerReplica'>) to a Tensor"))),
 }
 
 
@@ -95,7 +104,12 @@ def _run(stem: str, keras_module: str) -> dict:
     kwargs = {"path": str(UPSTREAM / f"{stem}.py"), "names": names, "keras_module": keras_module}
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")]),
            "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return run_child("upstream_runner:run_script", kwargs, env=env, timeout=300).value
+    if stem not in MULTI_WORKER:
+        return run_child("upstream_runner:run_script", kwargs, env=env, timeout=300).value
+    outcomes = [worker.check().value for worker in run_workers(
+        "upstream_runner:run_worker_script", 2, timeout=300, env=env, **kwargs)]
+    assert outcomes[0] == outcomes[1], "the two workers disagree"
+    return outcomes[0]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +158,7 @@ def test_every_reproduction_file_is_run_here_and_only_those():
 
 @pytest.mark.parametrize("path", reproduction_files(), ids=lambda p: p.stem)
 def test_a_reproduction_is_short_stock_code_with_its_own_two_replicas(path):
+    # Two devices of one process, or (MULTI_WORKER) two worker processes of a cluster.
     source = path.read_text(encoding="utf-8")
     assert len(source.splitlines()) <= MAX_LINES
     assert max(len(line) for line in source.splitlines()) <= 100
@@ -155,7 +170,10 @@ def test_a_reproduction_is_short_stock_code_with_its_own_two_replicas(path):
     assert imported <= ALLOWED_IMPORTS, imported - ALLOWED_IMPORTS
     called = {node.func.attr for node in ast.walk(tree)
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
-    assert {"set_logical_device_configuration", "MirroredStrategy"} <= called
+    if path.stem in MULTI_WORKER:
+        assert "MultiWorkerMirroredStrategy" in called and "TF_CONFIG" in source
+    else:
+        assert {"set_logical_device_configuration", "MirroredStrategy"} <= called
 
 
 # -------------------------------------------------------------------------- the page

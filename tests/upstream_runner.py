@@ -32,3 +32,9 @@ def run_script(path: str, names: list[str] | None = None, keras_module: str = "k
                  "message": str(err)}
     return {"values": {n: namespace[n] for n in names or [] if n in namespace},
             "error": error}
+
+
+def run_worker_script(task_index: int, num_workers: int, **kwargs) -> dict:
+    """`run_script(**kwargs)` in one worker of a local cluster: the target of
+    `distgrad.lab.multiworker.run_workers`, which sets this worker's `TF_CONFIG`."""
+    return run_script(**kwargs)

@@ -10,7 +10,9 @@ the standard library (copy one into your project and it works alone):
 * `MicroBatching`, `MicroBatchingModel`, `with_micro_batches` (`distgrad/train_step.py`):
   k micro-batches inside one `fit` step;
 * `AccumulationCallback` (`distgrad/callbacks.py`): in `fit`, flush or discard an
-  `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates.
+  `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates;
+* `MultiWorkerFit`, `MultiWorkerFitModel` (`distgrad/multi_worker.py`): `model.fit` on a
+  multi-worker `MultiWorkerMirroredStrategy`, where stock Keras 3 fails.
 
 Names are imported lazily, so `import distgrad` loads neither TensorFlow nor the lab.
 """
@@ -29,6 +31,9 @@ _EXPORTS = {
     "MicroBatchingModel": "distgrad.train_step",
     "with_micro_batches": "distgrad.train_step",
     "check_micro_batches": "distgrad.train_step",
+    "MultiWorkerFit": "distgrad.multi_worker",
+    "MultiWorkerFitModel": "distgrad.multi_worker",
+    "check_multi_worker_input": "distgrad.multi_worker",
     "AllReplicasFiniteLossScaleOptimizer": "distgrad.mixed_precision",
     "clip_by_global_norm_across_replicas": "distgrad.clipping",
     "make_strategy": "distgrad.devices",
