@@ -10,7 +10,10 @@ the standard library (copy one into your project and it works alone):
 * `MicroBatching`, `MicroBatchingModel`, `with_micro_batches` (`distgrad/train_step.py`):
   k micro-batches inside one `fit` step;
 * `AccumulationCallback` (`distgrad/callbacks.py`): in `fit`, flush or discard an
-  `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates.
+  `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates;
+* `distgrad.tf_keras.AccumulatingOptimizer` (`distgrad/tf_keras/optimizer.py`, TensorFlow
+  only): `AccumulatingOptimizer` for tf-keras (Keras 2), imported where
+  `TF_USE_LEGACY_KERAS=1` was set before TensorFlow.
 
 Names are imported lazily, so `import distgrad` loads neither TensorFlow nor the lab.
 """

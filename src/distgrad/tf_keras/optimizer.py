@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-KERAS_2_PACKAGES = ("tf_keras.", "keras.src.engine.", "keras.engine.")  # tf.keras.Model's module
+# Where tf.keras.Model lives in Keras 2: tf-keras (tested: 2.21), or the `keras` 2.x of
+# TensorFlow <= 2.15 (accepted, not tested here).
+KERAS_2_PACKAGES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
 NON_FINITE_POLICIES = ("raise", "skip")
 NON_FINITE_MESSAGE = ("AccumulatingOptimizer: NaN/Inf gradients on some replica in the cycle "
                       "of update")
