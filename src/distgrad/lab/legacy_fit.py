@@ -52,12 +52,11 @@ def tiny_model(seed: int = 0, mixed: bool = False):
 def policy(name: str):
     """The global tf-keras dtype policy `name` for the block ("float32", "mixed_float16");
     the previous one is restored after it."""
-    previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(name)
-    try:
+    with contextlib.ExitStack() as restore:
+        restore.callback(keras.mixed_precision.set_global_policy,
+                         keras.mixed_precision.global_policy())
+        keras.mixed_precision.set_global_policy(name)
         yield
-    finally:
-        keras.mixed_precision.set_global_policy(previous)
 
 
 def weights(model) -> list:
