@@ -606,6 +606,82 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
                                  int(naive.optimizer.iterations.numpy())))])
 
 # %% [markdown]
+# ## 11 · The same loop in tf-keras (Keras 2)
+#
+# The question was asked on TensorFlow 2.x with Keras 2, and many users still train
+# on it: TensorFlow ≤ 2.15, or the `tf-keras` package behind `tf.keras` when
+# `TF_USE_LEGACY_KERAS=1` is set *before* TensorFlow is imported. This notebook runs
+# Keras 3, and a process cannot switch, so the tf-keras program below is written to a
+# file and run in a child Python (`distgrad.lab.legacy.run_legacy` sets the variable and
+# puts the folder on `PYTHONPATH`). It is section 3's loop, with
+# `distgrad.GradientAccumulator` (which holds no Keras object of its own: tf.distribute
+# variables, and the optimizer you pass) and a tf-keras `Adam`. The lab supplies the
+# incidentals: the tiny model, the weights as lists, and the one-device big-batch
+# `model.fit` to compare with.
+
+# %%
+program_folder = tempfile.mkdtemp(prefix="lesson02-tf-keras-")
+
+# %%
+# %%writefile {program_folder}/tf_keras_custom_loop.py
+import numpy as np
+import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
+
+from distgrad import GradientAccumulator
+from distgrad.lab.legacy import legacy_strategy
+from distgrad.lab.legacy_fit import big_batch_fit, tiny_model, weights
+
+
+def train(replicas, x, y, accumulation_steps, updates):
+    strategy = legacy_strategy(replicas)  # first: the logical devices
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    with strategy.scope():
+        model, optimizer = tiny_model(), tf.keras.optimizers.Adam(0.01)
+        accumulator = GradientAccumulator(model.trainable_variables)
+
+    def train_step(data):  # the question's fn: its gradients go into the buffers
+        features, targets = data
+        with tf.GradientTape() as tape:
+            predictions = model(features, training=True)
+            per_example_loss = tf.reduce_mean(tf.square(predictions - targets), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=len(x))
+        accumulator.add(tape.gradient(loss, model.trainable_variables))
+
+    accumulate = tf.function(lambda data: strategy.run(train_step, args=(data,)))
+    apply_step = accumulator.make_apply_step(optimizer)  # builds Adam under the scope
+    micro_batches = list(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x) // accumulation_steps)))
+    for update in range(updates):
+        for data in micro_batches:
+            accumulate(data)
+        apply_step()
+    big_batch, _ = big_batch_fit(tiny_model, lambda: tf.keras.optimizers.Adam(0.01), x, y,
+                                 batch_size=len(x), epochs=updates)
+    return {"accumulated": weights(model), "big_batch": weights(big_batch),
+            "optimizer": type(optimizer).__module__,
+            "updates": int(optimizer.iterations.numpy())}
+
+# %%
+from distgrad.lab.legacy import run_legacy
+
+tf_keras_run = run_legacy("tf_keras_custom_loop:train", R, env={"PYTHONPATH": program_folder},
+                          x=x.tolist(), y=y.tolist(), accumulation_steps=K, updates=3)
+tf_keras_diff = check_close(tf_keras_run["accumulated"], tf_keras_run["big_batch"])
+print(f"TensorFlow {tf_keras_run.tensorflow}, tf-keras {tf_keras_run.tf_keras}, "
+      f"{tf_keras_run.replicas} replicas, k = {K}: {tf_keras_run['updates']} updates")
+print(f"GradientAccumulator + tf-keras Adam vs 3 big-batch steps: max abs diff "
+      f"{tf_keras_diff.max_abs:.1e}")
+assert tf_keras_run.replicas == R and tf_keras_run.tf_keras.startswith("2.")
+assert tf_keras_run["optimizer"].startswith("tf_keras.")  # a tf-keras Adam, not Keras 3's
+assert tf_keras_run["updates"] == 3
+
+# %% [markdown]
+# Equal to the big batch at float32 tolerances, on the versions printed above. For
+# `model.fit` in tf-keras, `distgrad.tf_keras.AccumulatingOptimizer` is the packaged
+# form ([lesson 03, section 7](03_cond_and_merge_call.ipynb); with `mixed_float16`,
+# [lesson 04, section 6](04_loss_scale_optimizer_pitfall.ipynb)).
+
+# %% [markdown]
 # ## Takeaways
 #
 # * `strategy.run` returns `PerReplica` values in cross-replica context; you cannot add
@@ -620,6 +696,8 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
 # * Use `aggregation=SUM` for the buffers: they can then be read across replicas and
 #   checkpointed mid-update.
 # * `experimental_run_v2` is gone; it is `strategy.run` (tensorflow/tensorflow#37551).
+# * In tf-keras (Keras 2, `TF_USE_LEGACY_KERAS=1` set before TensorFlow is imported) the
+#   loop and `GradientAccumulator` are the same, with a tf-keras optimizer (section 11).
 #
 # ## Exercises
 #
@@ -630,6 +708,10 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
 #    micro-step's sum happen now, and by what factor is the update off?
 # 3. Remove `optimizer.build(...)` from `build_accumulating_loop`, rerun it, and run
 #    `train(adam, 2, 1)`. Which error do you get, and which section explains it?
+# 4. In section 11's program, replace both `tf.keras.optimizers.Adam(0.01)` by the
+#    question's era's optimizer, `tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)`
+#    (an `OptimizerV2`), and rerun the `%%writefile` cell and the one after it. Does the
+#    loop still equal the big batch?
 #
 # <details><summary>Answers</summary>
 #
@@ -640,6 +722,8 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
 #    `read_value()` in `apply_step` then returns that sum on every replica, and the
 #    optimizer sums it again: R times the big-batch step.
 # 3. `InvalidArgumentError: You must feed a value for placeholder tensor ...` (section 7).
+# 4. Yes: `make_apply_step` creates an `OptimizerV2`'s slots under the scope before the
+#    traced apply, as section 7 requires (`tests/test_tf_keras_custom_loop.py` checks it).
 #
 # </details>
 

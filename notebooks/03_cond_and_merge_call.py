@@ -608,6 +608,107 @@ ax.legend(fontsize=8)
 fig.tight_layout()
 
 # %% [markdown]
+# ## 7 · The question's own stack: tf-keras `model.fit`
+#
+# The question's author wrote Keras 2 (`tf.keras`, TF 2.5), and many users still train
+# on it: TensorFlow ≤ 2.15, or the `tf-keras` package behind `tf.keras` when
+# `TF_USE_LEGACY_KERAS=1` is set before TensorFlow is imported. For them the packaged fix
+# is `distgrad.tf_keras.AccumulatingOptimizer`: section 5's cross-replica cond for
+# tf-keras' optimizers, `tf.keras.optimizers.*` and the era's
+# `tf.keras.optimizers.legacy.*`. Its `_cross_replica_step` (the file cannot be imported
+# in this Keras 3 process, so we read it):
+
+# %%
+import tempfile
+
+from distgrad.lab.legacy import run_legacy
+
+tf_keras_source = pathlib.Path(importlib.util.find_spec("distgrad").submodule_search_locations[0],
+                               "tf_keras", "optimizer.py").read_text()
+start = tf_keras_source.index("    def _cross_replica_step(")
+display(Code(tf_keras_source[start:tf_keras_source.index("    def _apply_accumulated", start)],
+             language="python"))
+
+# %% [markdown]
+# The shape is section 5's: count once in cross-replica context, cond there, and
+# `call_for_each_replica` into the branch, where the inner optimizer's `apply_gradients`
+# all-reduces the cycle's mean. One difference: clipping stays on the inner optimizer,
+# because tf-keras' `apply_gradients` sums over replicas *before* it clips (lesson 01,
+# section 5), as the installed source shows:
+
+# %%
+tf_keras_src = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
+                            "src", "optimizers", "optimizer.py").read_text()
+summed = tf_keras_src.index("grads_and_vars = self.aggregate_gradients(grads_and_vars)")
+assert tf_keras_src.find("return super().apply_gradients(grads_and_vars, name=name)", summed) > 0
+assert "grads = self._clip_gradients(grads)" in tf_keras_src  # in the base apply_gradients
+print("tf-keras Optimizer.apply_gradients:", tf_keras_src[summed:].splitlines()[0].strip())
+print("then super().apply_gradients: grads = self._clip_gradients(grads)")
+
+# %% [markdown]
+# In the question's code the fix replaces one line: where the question calls
+# `get_patched_optimizer(optimizer, n, ...)`, wrap the optimizer instead, before
+# `model.compile`. The program below fits the question's model — its own `train_step`,
+# `distgrad.pitfalls.legacy_loss_scale.QuestionModel`, shown in lesson 04, here in
+# float32 — with k micro-batches on R replicas and with one big batch on one device, for
+# each optimizer of `distgrad.lab.legacy_fit.OPTIMIZERS`. It is written to a file and run
+# in a child process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts):
+
+# %%
+program_folder = tempfile.mkdtemp(prefix="lesson03-tf-keras-")
+
+# %%
+# %%writefile {program_folder}/question_fit.py
+import numpy as np
+import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
+
+from distgrad.lab.legacy import legacy_strategy
+from distgrad.lab.legacy_fit import OPTIMIZERS, weights
+from distgrad.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
+from distgrad.tf_keras import AccumulatingOptimizer
+
+
+def fit_both_ways(replicas, x, y, micro_batch, n):
+    strategy = legacy_strategy(replicas)  # first: the logical devices
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    one_device = tf.distribute.get_strategy()
+    results = {}
+    for name, make_optimizer in OPTIMIZERS.items():
+        for where, grad_acc_n in ((strategy, n), (one_device, 1)):
+            with where.scope():
+                model = QuestionModel()
+                optimizer = make_optimizer()
+                if grad_acc_n > 1:  # was: get_patched_optimizer(optimizer, n, ...)
+                    optimizer = AccumulatingOptimizer(optimizer, grad_acc_n)
+                model.compile(optimizer=optimizer, loss="mse")
+            model.fit(x, y, batch_size=micro_batch * n // grad_acc_n, shuffle=False, verbose=0)
+            results[name, grad_acc_n] = weights(model), int(optimizer.iterations.numpy())
+    return {name: {"accumulated": results[name, n], "big_batch": results[name, 1]}
+            for name in OPTIMIZERS}
+
+# %%
+question_fit = run_legacy("question_fit:fit_both_ways", R, env={"PYTHONPATH": program_folder},
+                          x=x.tolist(), y=y.tolist(), micro_batch=MICRO_BATCH, n=STEPS)
+print(f"TensorFlow {question_fit.tensorflow}, tf-keras {question_fit.tf_keras}, "
+      f"{question_fit.replicas} replicas")
+tf_keras_rows = []
+for name, run in question_fit.value.items():
+    (accumulated, updates), (big_batch, big_batch_updates) = run["accumulated"], run["big_batch"]
+    diff = check_close(accumulated, big_batch, what=name)  # rtol = atol = 1e-6
+    tf_keras_rows.append((f"`{name}`", f"{diff.max_abs:.1e}", updates, big_batch_updates))
+    assert updates == big_batch_updates == UPDATES  # iterations counts updates
+show_table(["tf-keras inner optimizer", "max abs diff vs big batch", "updates, accumulated",
+            "updates, big batch"], tf_keras_rows)
+assert question_fit.replicas == R and question_fit.tf_keras.startswith("2.")
+assert {name.removeprefix("legacy ") for name in question_fit.value} == {"momentum", "adam"}
+
+# %% [markdown]
+# Equal to the big batch at float32 tolerances for today's tf-keras optimizers and the
+# question's era's `OptimizerV2`, with `iterations` counting updates, on the versions
+# printed above. Under `mixed_float16` — the question's GPU run — the loss-scale wrapper
+# goes *around* it: [lesson 04, section 6](04_loss_scale_optimizer_pitfall.ipynb).
+
+# %% [markdown]
 # ## Takeaways
 #
 # * The question's patch, as posted, has two Python bugs that Keras 3 exposes: `args,
@@ -629,6 +730,9 @@ fig.tight_layout()
 # * The mask trick runs but is not accumulation: the optimizer updates on every micro-step.
 #   Only plain SGD ignores zero gradients; momentum, Adam and weight decay drift,
 #   `iterations` counts micro-steps, and every micro-step pays the all-reduce.
+# * On the question's own stack, tf-keras, the fix is `distgrad.tf_keras.AccumulatingOptimizer`
+#   wrapped where the question installed its patch: equal to big-batch `model.fit` for
+#   tf-keras' optimizers and the era's `OptimizerV2`, with the question's `train_step`.
 #
 # ## Exercises
 #
@@ -645,6 +749,10 @@ fig.tight_layout()
 # 3. Predict whether the mask trick matches the big batch for Adam when k = 1, then check:
 #    `mask_trick.reproduce(strategy, "adam", steps=1, updates=2,
 #    micro_batch=MICRO_BATCH).mask_vs_big_batch.within()`.
+# 4. In section 7's program, wrap in the question's mixed-precision order instead:
+#    `AccumulatingOptimizer(tf.keras.mixed_precision.LossScaleOptimizer(optimizer),
+#    grad_acc_n)`. Rerun the `%%writefile` cell and the next one: what does the
+#    constructor tell you, and which lesson explains why?
 #
 # ## Further reading
 #

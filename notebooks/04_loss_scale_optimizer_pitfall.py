@@ -529,7 +529,144 @@ assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
 # reset, `iterations` unchanged, `skipped_updates` + 1. The loss scale is not lowered,
 # because the wrapper never learned of the overflow. Under `AllReplicasFiniteLossScaleOptimizer` the bad micro-batch
 # itself is skipped, the scale halves, and no cycle is lost.
+
+# %% [markdown]
+# ## 6 · The fix on the question's stack: tf-keras, `mixed_float16`, `model.fit`
 #
+# The question's answer installed the patch *after* the wrapper (`optimizer =
+# LossScaleOptimizer(optimizer)`, then `get_patched_optimizer(optimizer, ...)`). On tf-keras
+# the fix is section 5's: reverse the order and replace the patch by an optimizer,
+# `distgrad.tf_keras.AccumulatingOptimizer`, so that the loss-scale wrapper is outside.
+# In tf-keras that order is forced twice over, as the installed source and the question's
+# `train_step` (section 3) show: `model.compile` under `mixed_float16` wraps any optimizer
+# that is not a `LossScaleOptimizer` in one, and the question's `train_step` scales its
+# loss only if `model.optimizer` *is* one — an accumulator outside it would silently
+# train float16 gradients without loss scaling.
+
+# %%
+training_source = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
+                               "src", "engine", "training.py").read_text()
+get_optimizer = training_source[training_source.index("    def _get_optimizer(self"):]
+get_optimizer = get_optimizer[:get_optimizer.index("        return tf.nest.map_structure")]
+display(Code(get_optimizer.rstrip(), language="python"))
+assert "opt = lso.BaseLossScaleOptimizer(opt)" in get_optimizer
+assert "is_mixed_precision = isinstance(" in legacy_file  # the question's train_step
+assert "loss = self.optimizer.get_scaled_loss(model_loss)" in legacy_file
+
+# %% [markdown]
+# One tf-keras detail: its `LossScaleOptimizer.apply_gradients` all-reduces the gradients
+# *before* it checks them, through the wrapped optimizer's `aggregate_gradients`
+# (section 4 asserted that line). `distgrad.tf_keras.AccumulatingOptimizer` answers that
+# call by keeping the gradients replica-local (the gradient all-reduce comes once per
+# update; `tests/test_tf_keras_mixed_precision.py` counts the all-reduces) and sharing one
+# number instead: whether every replica's gradients are finite. If any is
+# not, every replica hands the wrapper a NaN, so the wrapper skips that micro-batch on
+# every replica and halves the scale once. The program below is the question's set-up in
+# the fixed order, with the question's `train_step`. It is written to a file and run in a
+# child process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts);
+# `distgrad.lab.legacy_fit` supplies the `fit` recipes and reads the counters after every
+# micro-batch.
+
+# %%
+import tempfile
+
+from distgrad.lab.legacy import run_legacy
+
+program_folder = tempfile.mkdtemp(prefix="lesson04-tf-keras-")
+
+# %%
+# %%writefile {program_folder}/question_fix.py
+import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
+
+from distgrad.lab.legacy import legacy_strategy
+from distgrad.lab.legacy_fit import big_batch_fit, fit, policy, weights
+from distgrad.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
+from distgrad.tf_keras import AccumulatingOptimizer
+
+
+def build_optimizer(grad_acc_n, initial_scale):
+    """The question's set-up, in the fixed order: accumulate first, then scale the loss."""
+    optimizer = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    if grad_acc_n > 1:
+        optimizer = AccumulatingOptimizer(optimizer, grad_acc_n)
+    if tf.keras.mixed_precision.global_policy().name.startswith("mixed"):
+        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
+            optimizer, initial_scale=initial_scale)
+    return optimizer
+
+
+def main(replicas, data, micro_batch, grad_acc_n, initial_scale):
+    """`data`: {name: [x, y, reference_x, reference_y]}: fit (x, y) with accumulation on
+    `replicas` replicas, and the reference data as one big batch on one device."""
+    strategy = legacy_strategy(replicas)  # first: the logical devices
+    results = {}
+    with policy("mixed_float16"):
+        for name, (x, y, reference_x, reference_y) in data.items():
+            model, counters = fit(strategy, QuestionModel,
+                                  lambda: build_optimizer(grad_acc_n, initial_scale), x, y,
+                                  batch_size=micro_batch)
+            big_batch, _ = big_batch_fit(QuestionModel, lambda: build_optimizer(1, initial_scale),
+                                         reference_x, reference_y,
+                                         batch_size=grad_acc_n * micro_batch)
+            results[name] = {"accumulated": weights(model), "big_batch": weights(big_batch),
+                             "counters": counters, "wrapping": [
+                                 type(model.optimizer).__name__,
+                                 type(model.optimizer.inner_optimizer).__name__]}
+    return results
+
+# %% [markdown]
+# Two data sets: clean (6 micro-batches), and 7 micro-batches with an outlier in
+# **replica 1's** shard of micro-batch 3; its reference is the big batch of the 6 others.
+
+# %%
+OUTLIER_STEP = 3
+clean_x, clean_y = mixed.overflow_data(6, mb, None, R)
+bad_x, bad_y = mixed.overflow_data(7, mb, OUTLIER_STEP, R, overflow_replicas=(1,))
+others = np.r_[0:(OUTLIER_STEP - 1) * mb, OUTLIER_STEP * mb:7 * mb]
+question_fix = run_legacy("question_fix:main", R, env={"PYTHONPATH": program_folder},
+                          data={"clean": [a.tolist() for a in (clean_x, clean_y) * 2],
+                                "outlier on replica 1": [a.tolist() for a in (
+                                    bad_x, bad_y, bad_x[others], bad_y[others])]},
+                          micro_batch=mb, grad_acc_n=2, initial_scale=C)
+print(f"TensorFlow {question_fix.tensorflow}, tf-keras {question_fix.tf_keras}, "
+      f"{question_fix.replicas} replicas")
+clean, outlier = question_fix["clean"], question_fix["outlier on replica 1"]
+print("model.optimizer is {}({}(SGD))".format(*clean["wrapping"]))
+for name, run in question_fix.value.items():
+    diff = check_close(run["accumulated"], run["big_batch"], **MIXED)
+    print(f"{name}: accumulated vs big batch, max abs diff {diff.max_abs:.1e}")
+show_table(["micro-batch", "loss scale ÷ C", "total_micro_steps", "SGD updates",
+            "`iterations`"], [
+    (t + 1, f"{row['loss_scale'] / C:g}", row["total_micro_steps"], row["updates"],
+     row["iterations"]) for t, row in enumerate(outlier["counters"])])
+
+# %%
+assert question_fix.replicas == R and question_fix.tf_keras.startswith("2.")
+assert clean["wrapping"] == ["LossScaleOptimizerV3", "AccumulatingOptimizer"]
+assert [row["loss_scale"] for row in clean["counters"]] == [C] * 6
+assert [row["updates"] for row in clean["counters"]] == [0, 1, 1, 2, 2, 3]
+outlier_rows = outlier["counters"]
+assert [row["loss_scale"] for row in outlier_rows] == [C, C] + [C / 2] * 5  # halved once
+assert [row["total_micro_steps"] for row in outlier_rows] == [1, 2, 2, 3, 4, 5, 6]  # 3 skipped
+assert [row["updates"] for row in outlier_rows] == [0, 1, 1, 1, 2, 2, 3]
+assert [row["iterations"] for row in outlier_rows] == [0, 1, 2, 2, 3, 3, 4]
+assert all(row["weights_finite"] and row["skipped_updates"] == 0 for row in outlier_rows)
+assert "self._optimizer.iterations.assign_add(1, read_value=False)" in legacy_source
+
+# %% [markdown]
+# Equal to the big batch within the mixed-precision tolerance, on the versions printed
+# above — also after the outlier: its micro-batch was skipped on **both** replicas
+# (`total_micro_steps` stands still at micro-batch 3) and the scale halved once. Unlike
+# Keras 3's wrapper (section 4), tf-keras' checks finiteness after an all-reduce — here of
+# the one flag — so the outlier on replica 1 is seen everywhere. Three counters, three
+# meanings: `total_micro_steps` counts the micro-batches accumulated, the inner SGD's
+# `iterations` its updates (what momentum, Adam and schedules see), and
+# `model.optimizer.iterations` adds the skipped step, as tf-keras' wrapper counts one
+# (its `do_not_apply_fn`, asserted above). `tests/test_tf_keras_mixed_precision.py` pins
+# the same with Adam, `OptimizerV2`, the stock `train_step` and a checkpoint taken
+# mid-cycle.
+
+# %% [markdown]
 # ## Takeaways
 #
 # * Patching `apply_gradients` on a `LossScaleOptimizer` accumulates **scaled** gradients
@@ -549,6 +686,10 @@ assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
 #   assumes all-reduced gradients that Keras 3 no longer has. Check all replicas
 #   (`AllReplicasFiniteLossScaleOptimizer`), or at least before the update
 #   (`AccumulatingOptimizer` drops a poisoned cycle).
+# * On the question's own stack (tf-keras, `mixed_float16`, `model.fit`, its `train_step`):
+#   `LossScaleOptimizer(distgrad.tf_keras.AccumulatingOptimizer(inner, n))` — the order
+#   `model.compile` builds by itself. An overflow on one replica skips that micro-batch on
+#   every replica and halves the scale once; the result equals big-batch training.
 #
 # ## Exercises
 #
@@ -561,6 +702,8 @@ assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
 # 3. In the trajectory cell put the second outlier on replica 0 instead
 #    (`overflow_replicas=(0,)` in `y_one`). Predict `skipped(...)` for both wrappers and
 #    whether a cycle is dropped, then rerun that cell and the next: which assertions fail?
+# 4. In §6, move the outlier to replica 0 (`overflow_replicas=(0,)` in `bad_x, bad_y`)
+#    and predict the table; then rerun that cell and the next. Does any assertion fail?
 #
 # ## Further reading
 #

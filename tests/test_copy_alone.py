@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
 REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
                    "callbacks.py", "clipping.py", "normalization.py", "sparse.py",
-                   "multi_worker.py")
+                   "multi_worker.py", "tf_keras/optimizer.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
 
 
@@ -40,6 +41,22 @@ def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path)
     assert set(ratios) == {"AccumulatingOptimizer", "GradientAccumulator", "MicroBatching"}
     for name, ratio in ratios.items():  # allclose(rtol=1e-6, atol=1e-6) <=> ratio <= 1
         assert ratio <= 1.0, f"{name} differs from big batch: allclose ratio {ratio:.3f}"
+
+
+def test_the_copied_tf_keras_file_trains_under_tf_keras_equal_to_big_batch(tmp_path):
+    from distgrad.lab.compare import check_close
+    from distgrad.lab.data import regression_data
+    from distgrad.lab.legacy import run_legacy
+
+    shutil.copy(SRC / "tf_keras" / "optimizer.py", tmp_path / "optimizer.py")
+    x, y = regression_data(32)
+    path = f"{tmp_path}{os.pathsep}{pathlib.Path(__file__).parent}"
+    runs = run_legacy("tf_keras_children:fit_equivalence", 2, env={"PYTHONPATH": path},
+                      x=x.tolist(), y=y.tolist(), micro_batch=8, accumulation_steps=2,
+                      names=["adam"], module="optimizer")  # the copy, not distgrad.tf_keras
+    check_close(runs["adam"]["accumulated"], runs["adam"]["big_batch"])
+    assert (runs["adam"]["optimizer"], runs["adam"]["module"]) == ("AccumulatingOptimizer",
+                                                                   "optimizer")
 
 
 def test_the_base_install_is_the_reference_package_only():

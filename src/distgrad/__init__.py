@@ -12,7 +12,10 @@ the standard library (copy one into your project and it works alone):
 * `AccumulationCallback` (`distgrad/callbacks.py`): in `fit`, flush or discard an
   `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates;
 * `MultiWorkerFit`, `MultiWorkerFitModel` (`distgrad/multi_worker.py`): `model.fit` on a
-  multi-worker `MultiWorkerMirroredStrategy`, where stock Keras 3 fails.
+  multi-worker `MultiWorkerMirroredStrategy`, where stock Keras 3 fails;
+* `distgrad.tf_keras.AccumulatingOptimizer` (`distgrad/tf_keras/optimizer.py`, TensorFlow
+  only): `AccumulatingOptimizer` for tf-keras (Keras 2), imported where
+  `TF_USE_LEGACY_KERAS=1` was set before TensorFlow.
 
 Names are imported lazily, so `import distgrad` loads neither TensorFlow nor the lab.
 """

@@ -365,9 +365,12 @@ class GradientAccumulator(tf.Module):
             raise ValueError(
                 "the optimizer was created outside the strategy scope of the "
                 "GradientAccumulator; create it under `with strategy.scope():`.")
-        if not optimizer.built:
+        if not getattr(optimizer, "built", getattr(optimizer, "_built", False)):  # tf-keras: _built
             with self._strategy.scope():
-                optimizer.build(self.model_variables)
+                if hasattr(optimizer, "build"):
+                    optimizer.build(self.model_variables)
+                else:  # tf-keras' OptimizerV2 (tf.keras.optimizers.legacy): slots, hypers
+                    optimizer._create_all_weights(self.model_variables)
         strategy = self._strategy
 
         @tf.function

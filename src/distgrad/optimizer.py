@@ -43,8 +43,8 @@ def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) ->
         fix = (f"keras.optimizers.get({inner_optimizer!r})" if isinstance(inner_optimizer, str)
                else "e.g. keras.optimizers.SGD / Adam / AdamW")
         raise TypeError(f"AccumulatingOptimizer wraps a Keras 3 optimizer instance, got "
-                        f"{kind.__name__} from {kind.__module__} (tf.compat.v1 optimizers and "
-                        f"legacy tf-keras ones are not Keras 3 optimizers). Pass {fix}.")
+                        f"{kind.__name__} from {kind.__module__} (tf-keras optimizers go in "
+                        f"distgrad.tf_keras.AccumulatingOptimizer). Pass {fix}.")
     if steps := getattr(inner_optimizer, "gradient_accumulation_steps", None):
         raise ValueError(f"The inner optimizer has gradient_accumulation_steps={steps}: create "
                          "it without; AccumulatingOptimizer(accumulation_steps=) accumulates.")
