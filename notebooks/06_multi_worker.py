@@ -46,7 +46,8 @@ from IPython.display import Code  # noqa: E402
 from distgrad.lab.compare import OPTIMIZERS, check_close, weight_diff, weights_of  # noqa: E402
 from distgrad.lab.data import regression_data, tiny_model  # noqa: E402
 from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
-from distgrad.lab.multiworker import free_ports, run_workers, tf_config  # noqa: E402
+from distgrad.lab.multiworker import (free_ports, run_workers, tf_config, visible_gpus,  # noqa: E402
+                                     worker_devices)
 from distgrad.lab.recipes import big_batch_reference, fit_run  # noqa: E402
 from distgrad.lab import workers  # noqa: E402
 
@@ -101,10 +102,12 @@ Code("\n".join(f"# worker {index}\n"
                for index, config in enumerate(configs)), language="bash")
 
 # %% [markdown]
-# `run_workers` sets this variable in each worker's environment, and
-# `CUDA_VISIBLE_DEVICES=""`: the two workers share one machine, so each is given the CPU
-# only and has one replica. The worker function does not depend on it: `dataset_fn`
-# batches per replica, whatever number of replicas a worker has.
+# `run_workers` sets this variable in each worker's environment, and the worker's
+# `CUDA_VISIBLE_DEVICES`: the workers share one machine, and no two may share a GPU, so
+# with a GPU per worker each sees its own, and otherwise each sees the CPU only
+# (`worker_devices`). The worker function does not depend on it: `dataset_fn` batches per
+# replica, whatever number of replicas a worker has. (On GPUs it turns TF32 off, as
+# `make_strategy` does, so that float32 stays comparable at 1e-6.)
 #
 # ```mermaid
 # flowchart LR
@@ -152,6 +155,8 @@ for index, r in enumerate(results):
     assert len(v["tf_config"]["cluster"]["worker"]) == WORKERS
     assert v["task"] == ["worker", index]  # the strategy's view of TF_CONFIG
     assert v["replicas"] == WORKERS * len(v["local_devices"])
+    own_gpus = worker_devices(index, WORKERS, visible_gpus())["CUDA_VISIBLE_DEVICES"]
+    assert all(f"device:{'GPU' if own_gpus else 'CPU'}:" in d for d in v["local_devices"])
     assert v["collective_op_types"] == {"CollectiveReduceV2": 1}  # one all-reduce per step
     assert v["iterations"] == 3
 
@@ -283,6 +288,7 @@ def fit_on_worker(task_index, num_workers, variants, checkpoint_dir):
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=60))  # a lost peer fails the all-reduce instead of hanging
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # exact float32 on GPUs
 
     import keras
 

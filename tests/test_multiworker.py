@@ -1,11 +1,17 @@
-"""Lesson 06: real 2-process MultiWorkerMirroredStrategy runs on localhost (CPU)."""
+"""Lesson 06: real 2-process MultiWorkerMirroredStrategy runs on localhost."""
 
 import json
 import os
 
 import pytest
 
-from distgrad.lab.multiworker import free_ports, run_workers, tf_config
+from distgrad.lab.multiworker import (
+    free_ports,
+    run_workers,
+    tf_config,
+    visible_gpus,
+    worker_devices,
+)
 
 EXPERIMENTS = "distgrad.lab.workers"
 
@@ -14,6 +20,24 @@ def test_tf_config_names_every_worker_and_this_task():
     config = json.loads(tf_config([1111, 2222], 1))
     assert config == {"cluster": {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]},
                       "task": {"type": "worker", "index": 1}}
+
+
+@pytest.mark.parametrize("gpus, expected", [
+    ([], ["", ""]),
+    (["0"], ["", ""]),  # one GPU for two workers: neither gets it, they would compete
+    (["0", "1"], ["0", "1"]),
+    (["3", "5", "6", "7"], ["3,5", "6,7"]),  # ids as CUDA_VISIBLE_DEVICES listed them
+    (["0", "1", "2"], ["0", "1"]),
+])
+def test_each_worker_sees_its_own_gpus_or_only_the_cpu(gpus, expected):
+    assert [worker_devices(i, 2, gpus)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == expected
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 4")
+    assert visible_gpus() == ["2", "4"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
 
 
 def test_free_ports_are_distinct():
@@ -62,7 +86,9 @@ def test_two_workers_equal_one_device_with_one_all_reduce_per_step(adam_on_two_w
         assert value["tf_config"]["task"] == {"type": "worker", "index": task_index}
         assert value["task"] == ["worker", task_index]  # the strategy read TF_CONFIG
         assert value["replicas"] == 2
-        assert [d.rsplit("/", 1)[-1] for d in value["local_devices"]] == ["device:CPU:0"]
+        own_gpus = worker_devices(task_index, 2, visible_gpus())["CUDA_VISIBLE_DEVICES"]
+        device = "device:GPU:0" if own_gpus else "device:CPU:0"
+        assert [d.rsplit("/", 1)[-1] for d in value["local_devices"]] == [device]
         assert value["collective_op_types"] == {"CollectiveReduceV2": 1}
         assert value["iterations"] == 3
         check_close([np.asarray(w) for w in value["weights"]], reference)

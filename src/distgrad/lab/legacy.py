@@ -75,21 +75,17 @@ def _check_tf_keras():
 def legacy_strategy(replicas: int = 1):
     """In a tf-keras child: a `MirroredStrategy` over `replicas` devices; call it first.
 
-    GPUs if the machine has `replicas` of them, else `replicas` logical CPU devices
-    (which must be configured before TensorFlow initializes its runtime). Raises
-    RuntimeError outside a `run_legacy` child (tf.keras is not tf-keras).
+    The devices `distgrad.make_strategy` would use (`distgrad.devices.replica_devices`:
+    GPUs, a split GPU, or logical CPU devices, which must be configured before
+    TensorFlow initializes its runtime), with TF32 off as there. Raises RuntimeError
+    outside a `run_legacy` child (tf.keras is not tf-keras).
     """
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
-    if len(gpus) >= replicas:
-        devices = [g.name.replace("physical_device:", "") for g in gpus[:replicas]]
-    else:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        if replicas > 1:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
-        devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
+    from distgrad.devices import replica_devices
+
+    devices = replica_devices(replicas)
+    tf.config.experimental.enable_tensor_float_32_execution(False)
     strategy = tf.distribute.MirroredStrategy(devices)
     _check_tf_keras()
     _built["strategy"] = strategy

@@ -4,14 +4,16 @@
 worker on localhost (`distgrad.lab.child.Child`: one process, one result protocol),
 each with its own `TF_CONFIG` (ports picked free at run time), calls
 `function(task_index=i, num_workers=n, **kwargs)` in every worker and returns every
-worker's `ChildResult`. The workers share one machine, so each is given its CPU only
-(`CUDA_VISIBLE_DEVICES=""` unless `env` sets it): one replica per worker, and no two
-processes competing for one GPU. Every process it starts is killed (its whole process group)
-when it returns, on timeout and on error: a worker never outlives the call.
+worker's `ChildResult`. The workers share one machine, and no two of them share a GPU
+(`worker_devices`): with at least one visible GPU per worker, worker i sees its own
+GPU(s) only; with fewer, every worker sees the CPU only (`CUDA_VISIBLE_DEVICES=""`).
+Every process it starts is killed (its whole process group) when it returns, on
+timeout and on error: a worker never outlives the call.
 
 A worker function must create the strategy itself, first thing:
 `strategy = make_worker_strategy(timeout_seconds=...)` (`distgrad.lab.workers` has
-the lesson-06 ones).
+the lesson-06 ones), which also keeps float32 exact on GPUs (TF32 off, as
+`distgrad.make_strategy`) and lets the worker's GPUs grow their memory.
 
 This module imports only the standard library.
 """
@@ -19,14 +21,41 @@ This module imports only the standard library.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
 import time
 
 from distgrad.lab.args import positive_int
 from distgrad.lab.child import Child, ChildResult, check_timeout, resolve
 
 DEFAULT_TIMEOUT_S = 240.0
-CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids this process may hand out, without importing TensorFlow: those of
+    `CUDA_VISIBLE_DEVICES` if it is set, else one per line of `nvidia-smi -L`, else none."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        lines = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                               timeout=30, check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(lines) if line.startswith("GPU ")]
+
+
+def worker_devices(task_index: int, num_workers: int, gpus: list[str]) -> dict:
+    """`CUDA_VISIBLE_DEVICES` of worker `task_index` (pure function): with at least one of
+    `gpus` per worker, its own contiguous share of them; else none (the CPU only), since
+    two processes on one GPU would compete for its memory."""
+    share = len(gpus) // num_workers
+    mine = gpus[task_index * share:(task_index + 1) * share] if share else []
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
 def free_ports(count: int) -> list[int]:
@@ -57,8 +86,8 @@ def run_workers(target: str, num_workers: int = 2, timeout: float = DEFAULT_TIME
     """Run `target(task_index=i, num_workers=num_workers, **kwargs)` in each local worker.
 
     Returns one `ChildResult` per worker, in task order (`ok`, `value`, `error`,
-    `returncode`, `stderr_tail`). Every worker's environment gets `TF_CONFIG`,
-    `CUDA_VISIBLE_DEVICES=""` (CPU only; `env` may override it) and `env`.
+    `returncode`, `stderr_tail`). Every worker's environment gets `TF_CONFIG`, its
+    `CUDA_VISIBLE_DEVICES` (`worker_devices`; `env` may override it) and `env`.
 
     Raises:
         ValueError: `num_workers` < 1, a malformed target or a non-positive timeout.
@@ -70,13 +99,14 @@ def run_workers(target: str, num_workers: int = 2, timeout: float = DEFAULT_TIME
     positive_int("num_workers", num_workers)
     timeout = check_timeout(timeout)
     resolve(target)
-    ports = free_ports(num_workers)
+    ports, gpus = free_ports(num_workers), visible_gpus()
     workers: list[Child] = []
     try:
         for index in range(num_workers):
             workers.append(Child(
                 target, {"task_index": index, "num_workers": num_workers, **kwargs},
-                env={**CPU_ONLY, **(env or {}), "TF_CONFIG": tf_config(ports, index)}))
+                env={**worker_devices(index, num_workers, gpus), **(env or {}),
+                     "TF_CONFIG": tf_config(ports, index)}))
         deadline = time.monotonic() + timeout
         while not all(w.poll() for w in workers):
             if time.monotonic() > deadline:
@@ -92,8 +122,12 @@ def run_workers(target: str, num_workers: int = 2, timeout: float = DEFAULT_TIME
 
 def make_worker_strategy(timeout_seconds: float | None = 60.0):
     """Inside a worker: a `MultiWorkerMirroredStrategy` from `TF_CONFIG`, whose collectives
-    fail after `timeout_seconds` instead of waiting forever for a dead peer."""
+    fail after `timeout_seconds` instead of waiting forever for a dead peer. Its GPUs, if
+    any, grow their memory as needed, and TF32 is off (float32 compared at 1e-6)."""
     import tensorflow as tf
 
+    for gpu in tf.config.list_physical_devices("GPU"):
+        tf.config.experimental.set_memory_growth(gpu, True)
+    tf.config.experimental.enable_tensor_float_32_execution(False)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)

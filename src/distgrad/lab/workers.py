@@ -54,6 +54,7 @@ def train_on_worker(task_index: int, num_workers: int, optimizer: str = "adam",
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=60))  # a lost peer fails the all-reduce instead of hanging
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # exact float32 on GPUs
 
     from distgrad.lab.compare import OPTIMIZERS
     from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
@@ -177,7 +178,7 @@ def dead_worker(task_index: int, num_workers: int, collective_timeout: float = 1
     """
     import os
 
-    model, opt, step = _sgd_worker(collective_timeout)
+    _, _, step = _sgd_worker(collective_timeout)
     x_local, y_local = _shard(task_index, num_workers)[2:]
 
     step(x_local, y_local)
