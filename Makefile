@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lessons site site-test chromium serve unit bench gpu-check clean
+.PHONY: course test install copy-lessons lessons site site-test chromium serve unit unit-and-lessons bench gpu-check clean
 
 install: $(STAMP)
 
@@ -29,14 +29,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Execute every lesson (nbmake writes the outputs into the copies), then build the site.
-lessons: install
+LESSONS_PYTEST = TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest --nbmake \
+  --nbmake-timeout=$(NOTEBOOK_TIMEOUT) --overwrite -p no:cacheprovider -n $(PYTEST_WORKERS)
+
+copy-lessons:
 	mkdir -p $(EXECUTED) build
 	rm -f $(EXECUTED)/*.ipynb
 	cp notebooks/*.ipynb $(EXECUTED)/
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) --overwrite \
-	  -p no:cacheprovider \
-	  -n $(PYTEST_WORKERS) \
-	  $(EXECUTED) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+
+lessons: install copy-lessons
+	$(LESSONS_PYTEST) $(EXECUTED) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 site: install
 	$(PY) -m mkdocs build --strict --site-dir site
@@ -71,12 +73,16 @@ unit: install
 	mkdir -p build
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
+# The unit tests and every lesson in one pytest-xdist session, file by file, the lessons
+# (the longest files) first: both workers stay busy until the end.
+unit-and-lessons: install copy-lessons
+	$(LESSONS_PYTEST) --dist loadfile $(EXECUTED) tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.
 test: install
 	mkdir -p build && rm -f $(PYTEST_STATUS)
-	$(MAKE) unit
-	$(MAKE) lessons
+	$(MAKE) unit-and-lessons
 	$(MAKE) site
 	$(MAKE) site-test
 
@@ -91,12 +97,12 @@ bench: install
 # the GPUs one at a time, then the checks the CPU simulation cannot make
 # (tests/gpu_checks.py), summed up in build/gpu-check/report.md. Fails if any failed.
 GPU_CHECK := build/gpu-check
+gpu-check: PYTEST_WORKERS = 0
 gpu-check: install
 	rm -rf $(GPU_CHECK) && mkdir -p $(GPU_CHECK) $(EXECUTED)
 	@$(PY) -c "import sys, tensorflow as tf; sys.exit(0 if tf.config.list_physical_devices('GPU') else 'make gpu-check: TensorFlow sees no GPU (docs/guides/gpu.md says how to install tensorflow[and-cuda]).')"
-	rm -f $(EXECUTED)/*.ipynb && cp notebooks/*.ipynb $(EXECUTED)/
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest --nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT) \
-	  --overwrite -p no:cacheprovider --junitxml=$(GPU_CHECK)/lessons.xml $(EXECUTED) ; \
+	$(MAKE) copy-lessons
+	$(LESSONS_PYTEST) --junitxml=$(GPU_CHECK)/lessons.xml $(EXECUTED) ; \
 	  lessons=$$? ; \
 	  $(PY) -m pytest tests/gpu_checks.py -p no:cacheprovider --junitxml=$(GPU_CHECK)/checks.xml ; \
 	  checks=$$? ; \
