@@ -43,7 +43,8 @@ def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) ->
         fix = (f"keras.optimizers.get({inner_optimizer!r})" if isinstance(inner_optimizer, str)
                else "e.g. keras.optimizers.SGD / Adam / AdamW")
         raise TypeError(f"AccumulatingOptimizer wraps a Keras 3 optimizer instance, got "
-                        f"{kind.__name__} from {kind.__module__} (tf-keras optimizers go in "
+                        f"{kind.__name__} from {kind.__module__} (tf.compat.v1 optimizers are not "
+                        "Keras optimizers; tf-keras ones go in "
                         f"distgrad.tf_keras.AccumulatingOptimizer). Pass {fix}.")
     if steps := getattr(inner_optimizer, "gradient_accumulation_steps", None):
         raise ValueError(f"The inner optimizer has gradient_accumulation_steps={steps}: create "
