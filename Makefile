@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lessons site site-test chromium serve unit bench clean
+.PHONY: course test install lessons site site-test chromium serve unit bench matrix clean
 
 install: $(STAMP)
 
@@ -86,6 +86,14 @@ test: install
 bench: install
 	$(PY) -m pip install -e '.[bench]'
 	$(PY) -m benchmarks.run
+
+# The version matrix (hours, not part of `make test`): the reference-class tests and every
+# lesson on each TensorFlow minor 2.16 ... 2.21 with Keras 3 (and Keras at its lower bound),
+# one environment under build/matrix/ at a time (about 2.7 GB), removed after its run.
+# Writes docs/versions/matrix.json and the tables docs/versions.md includes; cells already
+# run at this commit are skipped. `make matrix TF=2.18` runs (again) one TensorFlow minor.
+matrix:
+	$(PYTHON) tests/version_matrix.py $(if $(TF),--tf $(TF))
 
 clean:
 	rm -rf site build $(EXECUTED)/*.ipynb
