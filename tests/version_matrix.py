@@ -41,6 +41,8 @@ FREE_GB_NEEDED = 6
 NOT_REFERENCE = {"test_benchmarks.py", "test_notebook_pairs.py", "test_child.py",
                  "test_multiworker.py"}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+EXCEPTION = re.compile(r"[\w.]*(Error|Exception|Exit)\b")
+ARROW = re.compile(r"^-+> *\d+ (.*)$", re.MULTILINE)  # IPython marks the failing line: ---> 12
 
 
 def keras_lower_bound() -> str:
@@ -97,9 +99,22 @@ def installed_versions(python: Path) -> dict:
                                      check=True).stdout)
 
 
-def first_line(text: str, limit: int = 300) -> str:
-    lines = [line.strip() for line in ANSI.sub("", text or "").splitlines() if line.strip()]
-    return (lines[0] if lines else "")[:limit]
+def summary(text: str, limit: int = 200) -> str:
+    """An error message's first line and, if it has more, its last exception line (a
+    child's or a traced function's), else its last line."""
+    lines = [line.strip()[:limit] for line in ANSI.sub("", text or "").splitlines()
+             if line.strip()]
+    raised = [line for line in lines[1:] if EXCEPTION.match(line)] or lines[1:]
+    return " … ".join(lines[:1] + raised[-1:])
+
+
+def failure_of(problem: ET.Element) -> str:
+    """A junit failure's message; pytest cuts a long one: then its `E` lines in the report."""
+    message = problem.get("message") or ""
+    if message and "full report in element text" not in message:
+        return summary(message)
+    report = (problem.text or "").splitlines()
+    return summary("\n".join(line[1:] for line in report if line.startswith("E ")) or message)
 
 
 def junit_results(junit: Path, keys: list[str], module_of) -> dict:
@@ -120,8 +135,7 @@ def junit_results(junit: Path, keys: list[str], module_of) -> dict:
         if problem is not None:
             record["failed"] = record.get("failed", 0) + 1
             if record["status"] == "pass":
-                record.update(status="fail", test=case.get("name"),
-                              message=first_line(problem.get("message") or problem.text))
+                record.update(status="fail", test=case.get("name"), message=failure_of(problem))
     return results
 
 
@@ -131,10 +145,9 @@ def lesson_failure(executed: Path) -> dict:
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
                 traceback = ANSI.sub("", "\n".join(output.get("traceback", [])))
-                arrows = [line.split(None, 2)[-1] for line in traceback.splitlines()
-                          if line.lstrip().startswith("---->")]
-                return {"cell": index, "line": arrows[0][:200] if arrows else "",
-                        "message": first_line(f"{output['ename']}: {output['evalue']}")}
+                arrows = ARROW.findall(traceback)  # the cell's own frame comes first
+                return {"cell": index, "line": arrows[0].strip()[:200] if arrows else "",
+                        "message": summary(f"{output['ename']}: {output['evalue']}")}
     return {}  # no error output: a timeout, whose message junit has
 
 
@@ -159,7 +172,7 @@ def run_cell(cell: dict, commit: str) -> dict:
         if code:
             errors = [line for line in log.read_text().splitlines() if "ERROR" in line]
             record.update(status="install failed",
-                          message=first_line(errors[0] if errors else f"exit {code}"))
+                          message=summary(errors[0] if errors else f"exit {code}"))
             return record
         record["versions"] = installed_versions(python)
         size = subprocess.run(["du", "-sh", env_dir], capture_output=True, text=True,
@@ -195,47 +208,61 @@ def run_cell(cell: dict, commit: str) -> dict:
         shutil.rmtree(env_dir, ignore_errors=True)
 
 
+def code(text: str) -> str:
+    return "`" + str(text).replace("`", "'") + "`"
+
+
+def failure_note(cell: str, key: str, outcome: dict) -> str:
+    where = (code(outcome["test"]) if "test" in outcome
+             else f"cell {outcome.get('cell', '?')}, {code(outcome.get('line', ''))}")
+    return f"{cell}, {code(Path(key).name)}: {where}: {code(outcome['message'])}"
+
+
 def write_tables(results: dict) -> None:
-    names = [c["name"] for c in cells() if c["name"] in results]
-    done = {n: results[n] for n in names}
-    rows = [
-        "| cell | TensorFlow | Keras | tf-keras | NumPy | Python | commit | minutes | result |",
-        "|---|---|---|---|---|---|---|---|---|"]
+    """docs/versions/matrix.md: the cells, then lesson x cell and test file x cell."""
+    known = [c["name"] for c in cells()]
+    done = {n: results[n] for n in known + sorted(set(results) - set(known)) if n in results}
+    rows = ["| cell | TensorFlow | Keras | tf-keras | NumPy | Python | commit | minutes | result |",
+            "|---" * 9 + "|"]
+    notes = []
     for name, r in done.items():
         v = r.get("versions", {})
-        rows.append(f"| {name} | {v.get('tensorflow', '—')} | {v.get('keras', '—')} | "
-                    f"{v.get('tf_keras', '—')} | {v.get('numpy', '—')} | {v.get('python', '—')}"
-                    f" | `{r['commit']}` | {r['wall_s']['total'] / 60:.0f} | {r['status']} |")
-    notes = []
+        if "message" in r:  # the install failed
+            notes.append(f"{name}: {code(r['message'])}")
+        result = r["status"] + (f" [{len(notes)}](#matrix-note-{len(notes)})" if "message" in r
+                                else "")
+        rows.append(" | ".join(["", name, *(v.get(k, "—") for k in (
+            "tensorflow", "keras", "tf_keras", "numpy", "python")), code(r["commit"]),
+            f"{r['wall_s']['total'] / 60:.0f}", result, ""]).strip())
     for group, title in (("lessons", "lesson"), ("tests", "test file")):
-        keys = sorted({k for r in done.values() for k in r.get(group, {})})
         rows += ["", f"| {title} | " + " | ".join(done) + " |", "|---" * (len(done) + 1) + "|"]
-        for key in keys:
+        for key in sorted({k for r in done.values() for k in r.get(group, {})}):
             marks = []
             for name, r in done.items():
                 outcome = r.get(group, {}).get(key, {"status": "not run"})
                 if outcome["status"] == "fail":
-                    notes.append(f"{name}, `{key}`: " + (
-                        f"`{outcome['test']}`" if "test" in outcome else
-                        f"cell {outcome['cell']}, `{outcome['line']}`") +
-                        f": `{outcome['message']}`")
+                    notes.append(failure_note(name, key, outcome))
                     marks.append(f"✗ [{len(notes)}](#matrix-note-{len(notes)})")
                 else:
                     marks.append({"pass": "✓"}.get(outcome["status"], outcome["status"]))
-            rows.append(f"| `{Path(key).name}` | " + " | ".join(marks) + " |")
-    rows += ["", *(f'<a id="matrix-note-{i}"></a>{i}. {note}'.replace("|", "\\|")
-                   for i, note in enumerate(notes, 1))]
+            rows.append(f"| {code(Path(key).name)} | " + " | ".join(marks) + " |")
+    rows += ["", *(f'{i}. <a id="matrix-note-{i}"></a>{note}' for i, note in enumerate(notes, 1))]
     TABLES.write_text("\n".join(rows) + "\n")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tf", help="run only the cells of this TensorFlow minor, e.g. 2.18")
+    parser.add_argument("--tables", action="store_true",
+                        help="only rewrite docs/versions/matrix.md from matrix.json")
     args = parser.parse_args(argv)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if args.tables:
+        write_tables(results)
+        return 0
     chosen = [c for c in cells() if args.tf in (None, c["tf"])]
     if not chosen:
         parser.error(f"--tf must be one of {', '.join(TF_MINORS)}")
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     commit, total = git_commit(), time.monotonic()
     for cell in chosen:
         if args.tf is None and results.get(cell["name"], {}).get("commit") == commit:

@@ -14,8 +14,24 @@ This file imports only TensorFlow and Keras: copy it into a project and use
 
 from __future__ import annotations
 
+import re
+
 import keras
 import tensorflow as tf
+
+# The oldest versions the version matrix passes (docs/versions.md): `_tf_apply` below is
+# the body of these Keras releases' LossScaleOptimizer.
+NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
+
+
+def _check_versions() -> None:
+    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
+    if any(tuple(int(n) for n in re.findall(r"\d+", found[p])[:2]) < v for p, v in NEEDED.items()):
+        raise ImportError(f"distgrad.mixed_precision needs TensorFlow >= 2.16 and Keras >= 3.10, "
+                          f"found {found}: pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
+
+
+_check_versions()
 
 
 @keras.saving.register_keras_serializable(package="distgrad")

@@ -33,11 +33,26 @@ trainer.py`, `TensorFlowTrainer.train_step`):
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
+
+# The oldest versions the version matrix passes (docs/versions.md): the train_step mirrors
+# that of these Keras releases.
+NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
+
+
+def _check_versions() -> None:
+    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
+    if any(tuple(int(n) for n in re.findall(r"\d+", found[p])[:2]) < v for p, v in NEEDED.items()):
+        raise ImportError(f"distgrad.train_step needs TensorFlow >= 2.16 and Keras >= 3.10, "
+                          f"found {found}: pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
+
+
+_check_versions()
 
 NON_FINITE_POLICIES = ("raise", "skip")
 
