@@ -18,26 +18,19 @@ gradients is then exactly the mean gradient of the big batch.
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
 
-# The oldest versions the version matrix passes (docs/versions.md): below them Keras'
-# optimizers do not all-reduce under MirroredStrategy as this class expects.
+# The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
+# < 3.5 does not sum gradients over replicas in apply_gradients (keras-team/keras#19969).
 NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
-
-
-def _check_versions() -> None:
-    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
-    if any(tuple(int(n) for n in re.findall(r"\d+", found[p])[:2]) < v for p, v in NEEDED.items()):
-        raise ImportError(f"distgrad.accumulator needs TensorFlow >= 2.16 and Keras >= 3.10, "
-                          f"found {found}: pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
-
-
-_check_versions()
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.accumulator needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
 
 NON_FINITE_POLICIES = ("raise", "skip")
 

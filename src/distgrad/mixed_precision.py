@@ -14,24 +14,16 @@ This file imports only TensorFlow and Keras: copy it into a project and use
 
 from __future__ import annotations
 
-import re
-
 import keras
 import tensorflow as tf
 
-# The oldest versions the version matrix passes (docs/versions.md): `_tf_apply` below is
-# the body of these Keras releases' LossScaleOptimizer.
+# The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
+# < 3.5 does not sum gradients over replicas (keras-team/keras#19969).
 NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
-
-
-def _check_versions() -> None:
-    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
-    if any(tuple(int(n) for n in re.findall(r"\d+", found[p])[:2]) < v for p, v in NEEDED.items()):
-        raise ImportError(f"distgrad.mixed_precision needs TensorFlow >= 2.16 and Keras >= 3.10, "
-                          f"found {found}: pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
-
-
-_check_versions()
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.mixed_precision needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
 
 
 @keras.saving.register_keras_serializable(package="distgrad")

@@ -9,8 +9,6 @@ Why it branches in cross-replica context: see `_cross_replica_step` (keras-team/
 
 from __future__ import annotations
 
-import re
-
 import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
@@ -18,16 +16,10 @@ from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  
 # The oldest versions the version matrix passes (docs/versions.md). Keras < 3.10 has no
 # keras.Variable(synchronization=...), which the replica-local accumulators need.
 NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
-
-
-def _check_versions() -> None:
-    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
-    if any(tuple(int(n) for n in re.findall(r"\d+", found[p])[:2]) < v for p, v in NEEDED.items()):
-        raise ImportError(f"distgrad.optimizer needs TensorFlow >= 2.16 and Keras >= 3.10, "
-                          f"found {found}: pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
-
-
-_check_versions()
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.optimizer needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
 
 CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 NON_FINITE_POLICIES = ("raise", "skip")

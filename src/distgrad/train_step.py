@@ -33,26 +33,20 @@ trainer.py`, `TensorFlowTrainer.train_step`):
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
 
-# The oldest versions the version matrix passes (docs/versions.md): the train_step mirrors
-# that of these Keras releases.
+# The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
+# < 3.5 does not sum gradients over replicas (keras-team/keras#19969), < 3.4 has no
+# compute_loss(training=).
 NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
-
-
-def _check_versions() -> None:
-    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
-    if any(tuple(int(n) for n in re.findall(r"\d+", found[p])[:2]) < v for p, v in NEEDED.items()):
-        raise ImportError(f"distgrad.train_step needs TensorFlow >= 2.16 and Keras >= 3.10, "
-                          f"found {found}: pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
-
-
-_check_versions()
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.train_step needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
 
 NON_FINITE_POLICIES = ("raise", "skip")
 
