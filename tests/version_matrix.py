@@ -82,6 +82,17 @@ def run(cmd, log: Path, timeout: float, cwd=ROOT, env=None) -> int:
                 pass
 
 
+def kill_leftovers(env_dir: Path) -> None:
+    """Kill the programs of `env_dir` still running (a kernel or child that left its process
+    group when a run was cut short)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (proc / "cmdline").read_bytes().startswith(f"{env_dir}/".encode()):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def git_commit() -> str:
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
@@ -205,6 +216,7 @@ def run_cell(cell: dict, commit: str) -> dict:
         return record
     finally:
         record["wall_s"]["total"] = round(time.monotonic() - start)
+        kill_leftovers(env_dir)
         shutil.rmtree(env_dir, ignore_errors=True)
 
 
