@@ -87,11 +87,11 @@ bench: install
 	$(PY) -m pip install -e '.[bench]'
 	$(PY) -m benchmarks.run
 
-# The version matrix (hours, not part of `make test`): the reference-class tests and every
-# lesson on each TensorFlow minor 2.16 ... 2.21 with Keras 3 (and Keras at its lower bound),
-# one environment under build/matrix/ at a time (about 2.7 GB), removed after its run.
-# Writes docs/versions/matrix.json and the tables docs/versions.md includes; cells already
-# run at this commit are skipped. `make matrix TF=2.18` runs (again) one TensorFlow minor.
+# The version matrix (an hour or more, not part of `make test`): the reference-class tests
+# and every lesson on each TensorFlow minor 2.16 ... 2.21 with Keras 3 (and Keras at its
+# lower bound), one environment under build/matrix/ at a time (about 2.6 GB), removed after
+# its run. Writes docs/versions/matrix.json and the tables docs/versions.md includes; cells
+# already run at this commit are skipped. `make matrix TF=2.18` runs (again) one minor.
 matrix:
 	$(PYTHON) tests/version_matrix.py $(if $(TF),--tf $(TF))
 

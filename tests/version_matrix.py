@@ -225,8 +225,8 @@ def code(text: str) -> str:
 
 
 def failure_note(cell: str, key: str, outcome: dict) -> str:
-    where = (code(outcome["test"]) if "test" in outcome
-             else f"cell {outcome.get('cell', '?')}, {code(outcome.get('line', ''))}")
+    where = (f"cell {outcome['cell']}, {code(outcome['line'])}" if "cell" in outcome
+             else code(outcome["test"]))
     return f"{cell}, {code(Path(key).name)}: {where}: {code(outcome['message'])}"
 
 
