@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install copy-lessons lessons site site-test chromium serve unit unit-and-lessons bench gpu-check clean
+.PHONY: course test install copy-lessons lessons site site-test chromium serve unit unit-and-lessons bench gpu-check matrix clean
 
 install: $(STAMP)
 
@@ -107,6 +107,14 @@ gpu-check: install
 	  $(PY) -m pytest tests/gpu_checks.py -p no:cacheprovider --junitxml=$(GPU_CHECK)/checks.xml ; \
 	  checks=$$? ; \
 	  $(PY) tests/gpu_report.py $(GPU_CHECK) && test $$lessons = 0 && test $$checks = 0
+
+# The version matrix (an hour or more, not part of `make test`): the reference-class tests
+# and every lesson on each TensorFlow minor 2.16 ... 2.21 with Keras 3 (and Keras at its
+# lower bound), one environment under build/matrix/ at a time (about 2.6 GB), removed after
+# its run. Writes docs/versions/matrix.json and the tables docs/versions.md includes; cells
+# already run at this commit are skipped. `make matrix TF=2.18` runs (again) one minor.
+matrix:
+	$(PYTHON) tests/version_matrix.py $(if $(TF),--tf $(TF))
 
 clean:
 	rm -rf site build $(EXECUTED)/*.ipynb

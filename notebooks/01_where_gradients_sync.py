@@ -23,8 +23,9 @@
 #
 # **Short answer.** `strategy.run` syncs nothing. The sum happens *inside*
 # `apply_gradients`: Keras' TensorFlow optimizer calls `ReplicaContext.all_reduce(SUM)`
-# on the gradients from each replica; `MirroredStrategy` carries that out with a
-# `merge_call` (every replica pauses, one `batch_reduce_to` runs in cross-replica
+# on the gradients from each replica (Keras ≥ 3.5: before keras-team/keras#19969, Keras 3
+# [summed nothing](../versions.md#below-the-bounds)); `MirroredStrategy` carries that out
+# with a `merge_call` (every replica pauses, one `batch_reduce_to` runs in cross-replica
 # context), and a second `merge_call` writes the same update into every mirrored copy.
 # Because it is a SUM, each replica's loss must be divided by the **global** batch size
 # — otherwise the step is R times too large. And because Keras 3 clips *before* that

@@ -197,6 +197,16 @@ def section_of(stem: str) -> str:
     return body
 
 
+def names_version(text: str, package: str, version: str) -> bool:
+    """Whether `text` names `package` VERSION, or a range `package` LOW–HIGH that holds it
+    (the page states the range the version matrix, docs/versions.md, ran it on)."""
+    match = re.search(rf"(?<![\w-]){package} (\d[\d.]*)(?:–(\d[\d.]*))?", text)
+    if not match:
+        return False
+    low, high = (tuple(int(n) for n in v.split(".")) for v in (match[1], match[2] or match[1]))
+    return low <= tuple(int(n) for n in version.split(".")[:3]) <= high
+
+
 @pytest.mark.parametrize("path", reproduction_files(), ids=lambda p: p.stem)
 def test_each_section_names_the_versions_its_reproduction_ran_on_here(path):
     versions = {name: importlib.metadata.version(name)
@@ -204,11 +214,20 @@ def test_each_section_names_the_versions_its_reproduction_ran_on_here(path):
     body = section_of(path.stem)
     seen_on = re.search(r"^\*\*Seen on\*\*(.*)$", body, flags=re.MULTILINE)
     assert seen_on, f"the section of {path.name} has no '**Seen on**' line"
-    assert f"TensorFlow {versions['tensorflow']}" in seen_on.group(1)
+    assert names_version(seen_on[1], "TensorFlow", versions["tensorflow"]), seen_on[1]
     if "import keras" in path.read_text(encoding="utf-8"):
-        assert f"Keras {versions['keras']}" in seen_on.group(1)
+        assert names_version(seen_on[1], "Keras", versions["keras"]), seen_on[1]
     if (path.stem, "tf_keras") in RUNS:  # the page says what tf-keras does: name it
-        assert f"tf-keras {versions['tf-keras']}" in seen_on.group(1)
+        assert names_version(seen_on[1], "tf-keras", versions["tf-keras"]), seen_on[1]
+
+
+def test_a_version_range_holds_the_versions_between_its_ends():
+    line = "TensorFlow 2.16.2–2.21.0, Keras 3.15.1; tf-keras 2.16.0–2.21.0"
+    assert names_version(line, "TensorFlow", "2.18.1")
+    assert not names_version(line, "TensorFlow", "2.15.1")
+    assert names_version(line, "Keras", "3.15.1") and not names_version(line, "Keras", "3.14.0")
+    assert names_version(line, "tf-keras", "2.21.0")
+    assert not names_version(line, "tf-keras", "2.22.0")
 
 
 def test_the_page_is_in_the_nav_and_its_scripts_are_not_published():

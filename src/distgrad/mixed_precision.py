@@ -17,6 +17,14 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+# The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
+# < 3.5 does not sum gradients over replicas (keras-team/keras#19969).
+NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.mixed_precision needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
+
 
 @keras.saving.register_keras_serializable(package="distgrad")
 class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):

@@ -37,6 +37,12 @@ import inspect
 import keras
 import tensorflow as tf
 
+NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.multi_worker needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
+
 _SHARDING = tf.data.experimental.AutoShardPolicy
 SUPPORTED_SHARDING = (_SHARDING.AUTO, _SHARDING.DATA, _SHARDING.FILE)
 _UNEQUAL_BATCHES = (

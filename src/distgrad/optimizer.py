@@ -13,6 +13,14 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
 
+# The oldest versions the version matrix passes (docs/versions.md). Keras < 3.10 has no
+# keras.Variable(synchronization=...), which the replica-local accumulators need.
+NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.optimizer needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
+
 CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 NON_FINITE_POLICIES = ("raise", "skip")
 _NOTHING, _APPLIED, _SKIPPED = 0, 1, 2  # what a call did to the cycle (no-merge-call path)

@@ -39,6 +39,15 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
 
+# The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
+# < 3.5 does not sum gradients over replicas (keras-team/keras#19969), < 3.4 has no
+# compute_loss(training=).
+NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
+if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
+    raise ImportError(f"distgrad.train_step needs TensorFlow >= 2.16 and Keras >= 3.10, found "
+                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
+                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
+
 NON_FINITE_POLICIES = ("raise", "skip")
 
 

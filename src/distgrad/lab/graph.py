@@ -233,12 +233,17 @@ def _fit_step_graph(model, x, y, batch_size: int):
         raise ValueError("fit_step_placement traces one step: compile with "
                          "steps_per_execution=1.")
     model.make_train_function(force=True)
-    cells = getattr(model.train_function, "__closure__", None) or ()
-    traced = [c.cell_contents for c in cells if hasattr(c.cell_contents, "get_concrete_function")]
-    if len(traced) != 1:
+    # The tf.function fit calls on the iterator, by its name in Keras' trainer.py (Keras
+    # 3.10-3.11 also close over the per-batch tf.function `one_step_on_data`, 3.12+ over a
+    # plain wrapper of it).
+    function = model.train_function
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+    named = dict(zip(code.co_freevars, cells or ())) if code else {}
+    traced = getattr(named.get("multi_step_on_iterator"), "cell_contents", None)
+    if not hasattr(traced, "get_concrete_function"):
         raise RuntimeError(
-            "model.train_function no longer wraps exactly one tf.function "
+            "model.train_function no longer wraps the tf.function `multi_step_on_iterator` "
             "(keras/src/backend/tensorflow/trainer.py changed): update fit_step_placement.")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-    return traced[0].get_concrete_function(iterator).graph
+    return traced.get_concrete_function(iterator).graph
