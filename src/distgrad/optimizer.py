@@ -4,7 +4,6 @@
                                                   accumulation_steps=4), loss=...)
 
 This file imports only TensorFlow and Keras: copy it into a project and use it alone.
-Why it branches in cross-replica context: see `_cross_replica_step` (keras-team/keras#20582).
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
 
-# The oldest versions the version matrix passes (docs/versions.md). Keras < 3.10 has no
-# keras.Variable(synchronization=...), which the replica-local accumulators need.
+# The oldest `make matrix` passes (docs/versions.md); Keras < 3.10: no Variable(synchronization=).
 NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
 if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
     raise ImportError(f"distgrad.optimizer needs TensorFlow >= 2.16 and Keras >= 3.10, found "
@@ -50,10 +48,9 @@ def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) ->
         kind = type(inner_optimizer)
         fix = (f"keras.optimizers.get({inner_optimizer!r})" if isinstance(inner_optimizer, str)
                else "e.g. keras.optimizers.SGD / Adam / AdamW")
-        raise TypeError(f"AccumulatingOptimizer wraps a Keras 3 optimizer instance, got "
-                        f"{kind.__name__} from {kind.__module__} (tf.compat.v1 optimizers are not "
-                        "Keras optimizers; tf-keras ones go in "
-                        f"distgrad.tf_keras.AccumulatingOptimizer). Pass {fix}.")
+        raise TypeError(f"AccumulatingOptimizer wraps a Keras 3 optimizer, got {kind.__name__} "
+                        f"from {kind.__module__} (not tf.compat.v1 optimizers; tf-keras ones go "
+                        f"in distgrad.tf_keras.AccumulatingOptimizer). Pass {fix}.")
     if steps := getattr(inner_optimizer, "gradient_accumulation_steps", None):
         raise ValueError(f"The inner optimizer has gradient_accumulation_steps={steps}: create "
                          "it without; AccumulatingOptimizer(accumulation_steps=) accumulates.")
@@ -120,9 +117,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             setattr(self, option, getattr(inner_optimizer, option))
             setattr(inner_optimizer, option, None)
 
-    @property
-    def iterations(self):  # updates made: the inner optimizer's counter
-        return self.inner_optimizer.iterations
+    # Updates made: the inner optimizer's counter.
+    iterations = property(lambda self: self.inner_optimizer.iterations)
 
     # Never reset: BaseOptimizer's own `iterations` variable (checkpointed, ONLY_FIRST_REPLICA).
     total_micro_steps = property(lambda self: self._iterations)
@@ -148,9 +144,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     variables = property(lambda self: self._variables[:] + self.inner_optimizer.variables)
 
-    @property
-    def accumulators(self):  # the replica-local gradient sums, one per trainable variable
-        return list(self._accumulators)
+    # The replica-local gradient sums, one per trainable variable.
+    accumulators = property(lambda self: list(self._accumulators))
 
     def build(self, var_list):
         """Create accumulators and counters (under the strategy everything was created in)."""
@@ -167,7 +162,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     "wrong. Create the model, the inner optimizer and the AccumulatingOptimizer "
                     "inside the same `with strategy.scope():` block.")
         super().build(var_list)
-        accumulators = []
+        self._accumulators = []
         with keras.name_scope(self.name, caller=self):
             for variable in var_list:
                 name = getattr(variable, "path", variable.name).replace("/", "_")
@@ -181,12 +176,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     autocast=False, synchronization="on_read", aggregation="sum",
                     name=f"{name.replace(':', '_')}_accumulated_gradient")
                 self._track_variable(accumulator)
-                accumulators.append(accumulator)
+                self._accumulators.append(accumulator)
             self.micro_steps, self.skipped_updates = (
                 self.add_variable((), initializer="zeros", dtype=self._iterations.dtype,
                                   aggregation="only_first_replica", name=counter)
                 for counter in ("micro_steps", "skipped_updates"))
-        self._accumulators = accumulators
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self._built_under = strategy
@@ -222,8 +216,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def flush(self):
         """Apply the incomplete cycle, if any, as the mean of its `micro_steps` micro-batches
         (non-finite policy included). Outside `strategy.run`: eagerly or atop a tf.function."""
-        strategy = self._strategy_outside_run("flush")
-        if strategy is not None:
+        if (strategy := self._strategy_outside_run("flush")) is not None:
             (tf.function(strategy.run) if tf.executing_eagerly() else strategy.run)(
                 lambda: self._end_cycle(self._trainable_variables, flush=True))
 
@@ -278,7 +271,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
             return tf.cond(finite, apply_cycle, drop_cycle)
 
-        # As in LossScaleOptimizer._tf_apply, this cond is in cross-replica context:
+        # As in LossScaleOptimizer._tf_apply, this cond is in cross-replica context (keras#20582):
         # MirroredStrategy refuses a replica-context cond whose branch calls merge_call (the
         # inner update does); call_for_each_replica starts fresh replica threads inside the
         # branch, where merge_call works again. Without merge_call the branches may hold a
@@ -325,9 +318,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self.assign(accumulator, tf.zeros(accumulator.shape, accumulator.dtype))
 
     def _apply_accumulated(self, variables, divisor):
-        # Replica context. The cycle's gradient all-reduce is inside the inner update.
-        # This replica's share of the mean gradient; the inner optimizer's SUM all-reduce
-        # makes it the mean over all micro-batches and replicas (overwritten: the maximum).
+        # Replica context. This replica's share of the mean gradient: the inner update's SUM
+        # all-reduce makes it the mean over micro-batches and replicas (overwritten: the max).
         grads = [tf.convert_to_tensor(self._accumulator_of(v)) for v in variables]
         grads = [tf.cast(g if _overwritten(v) else g / tf.cast(divisor, g.dtype), v.dtype)
                  for g, v in zip(grads, variables)]
@@ -360,8 +352,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         # Clipping is not linear: it needs the summed gradient (one more all-reduce). The
         # inner optimizer SUMs again, so replica 0 passes the clipped total, the others 0.
         context = tf.distribute.get_replica_context()
-        clipped = self._clip_gradients(context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                                          local_grads))
+        clipped = self._clip_gradients(context.all_reduce(tf.distribute.ReduceOp.SUM, local_grads))
         is_first = tf.equal(context.replica_id_in_sync_group, 0)
         return [tf.where(is_first, c, tf.zeros_like(c)) for c in clipped]
 
