@@ -347,7 +347,10 @@ show_source(mirrored_strategy.MirroredExtended._use_merge_call,
 multiworker = cond_merge_call.reproduce_under_multiworker()
 print(f"MultiWorkerMirroredStrategy, {multiworker.replicas} replica(s); no merge_call: "
       f"{multiworker.supports_no_merge_call} -> {multiworker.error.type}")
+# one worker, its local devices: its GPUs, else its CPU
+assert multiworker.replicas == max(1, len(tf.config.list_physical_devices("GPU")))
 assert multiworker.supports_no_merge_call is False
+assert multiworker.error.type == "RuntimeError"
 assert multiworker.error.contains(cond_merge_call.MERGE_CALL_ERROR)
 
 # %% [markdown]

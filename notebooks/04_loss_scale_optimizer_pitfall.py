@@ -298,16 +298,24 @@ show_table(["tf-keras scenario", "wrapper", "patch calls", "outcome"], [
     for name, record in legacy.records.items()])
 
 # %%
+assert legacy.tf_keras.startswith("2.") and legacy.replicas == R
+assert "optimizers.legacy" in legacy["patch on LSO"].inner_class  # the era's OptimizerV2
+assert legacy["patch on LSO"].lso_class == "LossScaleOptimizer"
+assert legacy["v3: patch on inner"].lso_class == "LossScaleOptimizerV3"
+patched = legacy["patch on LSO"]
+assert patched.weight_changes[0::2] == (0.0,) * 3  # k = 2: every second micro-batch updates
+assert patched.patch_traces[0] == {"context": "replica", "args": [], "kwargs": []}
 frozen = legacy["patch on LSO, overflow at 3"]
 assert frozen.loss_scales == wrapped.loss_scales and frozen.accumulators_finite is False
 assert frozen.iterations == (1, 2, 3, 4, 5, 6)  # tf-keras counts skipped steps
 np.testing.assert_allclose(frozen.weight_changes, wrapped.weight_changes, **MIXED)
 check_close(legacy["patch on LSO"].final_weights, legacy["big batch"].final_weights, **MIXED)
-broken = legacy["patch on inner"]
-assert broken.error.type == "ValueError"
-assert broken.error.contains("Lengths of branch outputs of cond must match")
-assert broken.patch_traces[0]["context"] == "replica"
-assert broken.patch_traces[0]["kwargs"] == ["experimental_aggregate_gradients", "name"]
+for broken in (legacy["patch on inner, overflow at 3"], legacy["patch on inner"]):
+    assert broken.error.type == "ValueError"
+    assert broken.error.contains("Lengths of branch outputs of cond must match")
+    assert broken.error.contains("_apply_gradients_cross_replica")
+    assert broken.patch_traces[0]["context"] == "replica"
+    assert broken.patch_traces[0]["kwargs"] == ["experimental_aggregate_gradients", "name"]
 print("the patched inner apply_gradients was traced in", broken.patch_traces[0]["context"],
       "context,\n  with the keyword arguments", broken.patch_traces[0]["kwargs"])
 print(*broken.error.message.strip().splitlines()[-3:], sep="\n")
@@ -333,10 +341,15 @@ assert "experimental_aggregate_gradients=False" in legacy_source
 
 # %%
 returning = legacy["patch on inner, returning the result"]
-assert returning.error is None and returning.weights_finite
+assert returning.error is None and returning.weights_finite and returning.accumulators_finite
+scale = returning.loss_scales[0]
+assert returning.loss_scales == (scale,) * 2 + (scale / 2,) * 4  # halved once, at the overflow
 assert returning.patch_calls == 5  # the overflowing micro-batch 3 never reached it
 assert returning.iterations == (1, 2, 3, 4, 5, 6)  # an inner-optimizer step per micro-batch
 assert [c > 0 for c in returning.weight_changes] == [False, True, False, False, True, False]
+# tf-keras' newer optimizer behaves alike: the same weight moves; without overflow, big batch
+assert legacy["v3: patch on inner, overflow at 3"].weight_changes == returning.weight_changes
+check_close(legacy["v3: patch on inner"].final_weights, legacy["big batch"].final_weights, **MIXED)
 show_table(["patch on inner, returning the result", "value"], [
     ("patch calls", returning.patch_calls),
     ("iterations", ", ".join(map(str, returning.iterations))),
@@ -381,7 +394,9 @@ for replicas_hit in [(1,), (0,), tuple(range(R))]:
     assert run.weights_finite == (0 in replicas_hit)  # only replica 0's flag counts
 show_table(["overflow on replicas", "`check_finite` per replica", "loss scale ÷ S",
             "weights finite"], rows)
-assert legacy["stock, overflow on replica 1 only"].weights_finite  # tf-keras got it right
+stock_legacy = legacy["stock, overflow on replica 1 only"]  # tf-keras got it right:
+assert stock_legacy.weights_finite and stock_legacy.weight_changes[2] == 0.0
+assert stock_legacy.loss_scales == returning.loss_scales  # skipped, the scale halved once
 
 # %% [markdown]
 # An overflow on replica 1 only is applied: the inner optimizer's all-reduce sums `inf`

@@ -36,15 +36,6 @@ def test_a_cond_patch_runs_without_a_strategy_where_there_is_no_merge_call():
     assert record.weight_change > 1e-3
 
 
-def test_a_cond_patch_fails_the_same_way_under_multi_worker_mirrored():
-    record = cond_merge_call.reproduce_under_multiworker()
-    # one worker, its local devices: its GPUs, else its CPU
-    assert record.replicas == max(1, len(tf.config.list_physical_devices("GPU")))
-    assert record.supports_no_merge_call is False  # merge_call-free only under XLA on GPUs
-    assert record.error.type == "RuntimeError"
-    assert record.error.contains(cond_merge_call.MERGE_CALL_ERROR)
-
-
 def test_keras_builtin_gradient_accumulation_fails_in_fit_under_mirrored_strategy(strategy2):
     # keras-team/keras#20582. When this test fails, Keras fixed it: update lesson 03.
     record = cond_merge_call.reproduce_builtin(strategy2, steps=4)
