@@ -409,6 +409,8 @@ print(f"tf-keras gradient norms: full {legacy.full_gradient_norm:.2f}, per repli
 for r in keras3.values():  # Keras 3: the clipped update differs by most of its own size
     assert r.optimizer_clipping_vs_one_device.max_abs > 0.5 * r.one_device_update_max_abs
 assert legacy.replicas == R and legacy.tf_keras.startswith("2.")
+assert set(legacy.max_abs) == {(name, option) for name in ("SGD", "legacy.SGD")
+                               for option in ("global_clipnorm", "clipnorm")}
 for name, option in legacy.max_abs:  # tf-keras: replicas == one device
     assert legacy.within(name, option), (name, option, legacy.max_abs[name, option])
     assert legacy.update_max_abs[name, option] > 1e3 * legacy.max_abs[name, option]

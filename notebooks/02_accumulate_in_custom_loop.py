@@ -131,6 +131,7 @@ legacy = outside_strategy_run.reproduce_legacy(replicas=R)
 print(textwrap.fill(f"{legacy.type}: {legacy.message.strip()}", 90, subsequent_indent="  "))
 assert legacy.type == "RuntimeError"
 assert "`apply_gradients() cannot be called in cross-replica context" in legacy.message
+assert "Use `tf.distribute.Strategy.run` to enter replica context" in legacy.message
 
 # %% [markdown]
 # ## 2 · The posted answer, as far as it runs

@@ -2,7 +2,6 @@
 
 import pytest
 
-from distgrad.lab.legacy import legacy_keras_available
 from distgrad.pitfalls import outside_strategy_run
 
 MERGE_CALL_ON_NONE = "'NoneType' object has no attribute 'merge_call'"
@@ -30,14 +29,6 @@ def test_with_one_replica_gradients_are_plain_tensors_but_cross_replica_apply_st
     assert record.sum_error is None
     assert record.apply_outside_scope_error is None
     assert record.apply_in_scope_error.contains(MERGE_CALL_ON_NONE)
-
-
-@pytest.mark.skipif(not legacy_keras_available(), reason="tf-keras not installed")
-def test_tf_keras_2_optimizer_v2_said_apply_inside_strategy_run():
-    error = outside_strategy_run.reproduce_legacy(replicas=2)
-    assert error.type == "RuntimeError"
-    assert "`apply_gradients() cannot be called in cross-replica context" in error.message
-    assert "Use `tf.distribute.Strategy.run` to enter replica context" in error.message
 
 
 def test_posted_answer_uses_a_removed_api_and_its_update_is_r_times_too_large(strategy2):
