@@ -73,10 +73,14 @@ unit: install
 	mkdir -p build
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
-# The unit tests and every lesson in one pytest-xdist session, file by file, the lessons
-# (the longest files) first: both workers stay busy until the end.
+# The unit tests and every lesson in one pytest-xdist session, file by file, in the order
+# given: the lessons and the slowest test files first, so that no long file starts last
+# and both workers stay busy until the end (xdist would otherwise put the files with the
+# most tests first, and the one-item lessons last).
+SLOW_TESTS := $(addprefix tests/test_,benchmarks.py upstream_reports.py tf_keras_optimizer.py \
+  multi_worker_fit.py train_step.py tf_keras_mixed_precision.py no_merge_call.py)
 unit-and-lessons: install copy-lessons
-	$(LESSONS_PYTEST) --dist loadfile $(EXECUTED) tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+	$(LESSONS_PYTEST) --dist loadfile --no-loadscope-reorder $(EXECUTED) $(SLOW_TESTS) tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.
