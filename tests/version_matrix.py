@@ -264,7 +264,8 @@ def write_tables(results: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tf", help="run only the cells of this TensorFlow minor, e.g. 2.18")
+    parser.add_argument("--tf", help="run only the cells of this TensorFlow minor (e.g. 2.18) "
+                                     "or this one cell (e.g. tf2.16-keras3.10)")
     parser.add_argument("--tables", action="store_true",
                         help="only rewrite docs/versions/matrix.md from matrix.json")
     args = parser.parse_args(argv)
@@ -272,9 +273,9 @@ def main(argv=None) -> int:
     if args.tables:
         write_tables(results)
         return 0
-    chosen = [c for c in cells() if args.tf in (None, c["tf"])]
+    chosen = [c for c in cells() if args.tf in (None, c["tf"], c["name"])]
     if not chosen:
-        parser.error(f"--tf must be one of {', '.join(TF_MINORS)}")
+        parser.error(f"--tf must be one of {', '.join(TF_MINORS)} or a cell's name")
     commit, total = git_commit(), time.monotonic()
     for cell in chosen:
         if args.tf is None and results.get(cell["name"], {}).get("commit") == commit:

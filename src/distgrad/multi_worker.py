@@ -150,8 +150,9 @@ class MultiWorkerFit:
         if iterator is not None and self._distribute_strategy is not None \
                 and is_multi_worker(strategy):
             # Keras reduces the whole (x, y) structure across workers here, which
-            # Strategy.reduce cannot do; building needs only shapes and dtypes.
-            for _, _, batches in iterator:
+            # Strategy.reduce cannot do; building needs only shapes and dtypes. The
+            # iterator is last: Keras 3.10 yields (step, it), 3.15 (first, last, it).
+            for *_, batches in iterator:
                 data_batch = tf.nest.map_structure(
                     lambda v: strategy.experimental_local_results(v)[0], next(batches))
                 break
