@@ -235,6 +235,8 @@ print(f"reported, global scaling      {record.reported_loss_global:.6f}")
 print(f"reported, per-replica mean    {record.reported_loss_per_replica_mean:.6f}")
 assert abs(record.reported_loss_global - full_batch_loss) < 1e-6 * full_batch_loss
 assert abs(record.reported_loss_per_replica_mean - R * full_batch_loss) < 1e-5 * full_batch_loss
+assert abs(record.reported_loss_per_replica_mean - R * record.reported_loss_global) < (
+    1e-6 * R * record.reported_loss_global)
 
 with strategy.scope():
     quiet_model, quiet_optimizer = tiny_model(), sgd()
@@ -308,6 +310,7 @@ print("under the scope:", textwrap.fill(f"{error.type}: {error.message}", 80,
 assert reg.scaled_vs_one_device.within()
 assert not reg.unscaled_vs_one_device.within()
 assert reg.excess_vs_expected.within()  # the penalty's gradient, R - 1 extra times
+assert abs(reg.excess_ratio - 1) < 1e-4
 assert reg.cross_replica_error.type == "RuntimeError"
 assert reg.cross_replica_error.contains("cross replica context")
 
@@ -333,8 +336,8 @@ show_table(["examples", "per replica", "divided by", "update vs 1 device", "max 
              f"{r.vs_one_device.max_abs:.1e}") for r in rows])
 by = {(r.examples, r.scaling): r for r in rows}
 even, uneven = GLOBAL_BATCH // 2, GLOBAL_BATCH // 2 - 1
-assert len(set(by[even, "counted"].per_replica)) == 1  # splits evenly
-assert len(set(by[uneven, "counted"].per_replica)) == 2  # does not
+assert by[even, "counted"].per_replica == (even // R,) * R  # splits evenly
+assert by[uneven, "counted"].per_replica == (even // R,) * (R - 1) + (even // R - 1,)  # does not
 for examples in (even, uneven):  # the constant shrinks the step by examples / GLOBAL_BATCH
     assert abs(by[examples, "fixed"].ratio - examples / GLOBAL_BATCH) < 1e-6
     assert by[examples, "counted"].vs_one_device.within()
@@ -367,7 +370,8 @@ print(textwrap.fill(f"{record.aggregate_flag_error.type}: {record.aggregate_flag
                     90, subsequent_indent="  "))
 print(f"update ratio {record.ratio:.6f}, all-reduces per step {record.all_reduces}")
 assert record.aggregate_flag_error.type == "TypeError"
-assert record.aggregate_flag_error.contains("experimental_aggregate_gradients")
+assert record.aggregate_flag_error.contains(
+    "unexpected keyword argument 'experimental_aggregate_gradients'")
 assert abs(record.ratio - R) < 1e-6 * R
 assert record.all_reduces == 2
 
@@ -408,6 +412,8 @@ print(f"tf-keras gradient norms: full {legacy.full_gradient_norm:.2f}, per repli
 # %%
 for r in keras3.values():  # Keras 3: the clipped update differs by most of its own size
     assert r.optimizer_clipping_vs_one_device.max_abs > 0.5 * r.one_device_update_max_abs
+# `reproduce` also clips the all-reduced sum instead (the fix below): one device's step
+assert keras3["global_clipnorm"].clip_after_sync_vs_one_device.within()
 assert legacy.replicas == R and legacy.tf_keras.startswith("2.")
 assert set(legacy.max_abs) == {(name, option) for name in ("SGD", "legacy.SGD")
                                for option in ("global_clipnorm", "clipnorm")}

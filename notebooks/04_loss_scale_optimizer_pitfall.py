@@ -60,7 +60,7 @@ from IPython.display import Code, display
 from keras.src.optimizers import loss_scale_optimizer
 
 from distgrad.lab import mixed
-from distgrad.lab.compare import check_close, check_not_close
+from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 from distgrad.pitfalls import loss_scale_patch as lsp
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
@@ -219,6 +219,8 @@ fig.tight_layout()
 # %%
 stock, wrapped, inner = runs["none"], runs["loss_scale_optimizer"], runs["inner_optimizer"]
 assert stock.loss_scales == (C, C) + (C / 2,) * 4 and stock.weight_changes[2] == 0.0
+assert stock.iterations == (1, 2, 2, 3, 4, 5)  # only micro-batch 3 skipped
+assert min(stock.weight_changes[:2] + stock.weight_changes[3:]) > 0.01
 assert wrapped.loss_scales == (C, C, C / 2, C / 4, C / 8, C / 16)  # halved every step
 assert wrapped.iterations == (1, 2, 2, 2, 2, 2)  # every step after the overflow skipped
 assert wrapped.weight_changes[2:] == (0.0,) * 4 and wrapped.accumulators_finite is False
@@ -385,15 +387,22 @@ assert "grads_and_vars = self._optimizer.aggregate_gradients(grads_and_vars)" in
 # default scale, an overflow in one replica's shard of micro-batch 2:
 
 # %%
-rows = []
+rows, stock_runs = [], {}
 for replicas_hit in [(1,), (0,), tuple(range(R))]:
-    run = first_replica.reproduce(strategy, overflow_replicas=replicas_hit)
+    run = stock_runs[replicas_hit] = first_replica.reproduce(strategy, overflow_replicas=replicas_hit)
     flags = first_replica.finite_flags(strategy, overflow_replicas=replicas_hit)
     rows.append((replicas_hit, flags.finite_by_replica, ", ".join(f"{s / S:g}" for s in run.loss_scales),
                  run.weights_finite))
     assert run.weights_finite == (0 in replicas_hit)  # only replica 0's flag counts
 show_table(["overflow on replicas", "`check_finite` per replica", "loss scale ÷ S",
             "weights finite"], rows)
+applied = stock_runs[(1,)]  # the wrapper saw nothing wrong and applied micro-batch 2
+assert applied.loss_scales[1] == S and applied.iterations[:2] == (1, 2)
+assert applied.weight_changes[1] == float("inf")
+for replicas_hit in [(0,), tuple(range(R))]:  # skipped: iterations wait, the scale halves once
+    run = stock_runs[replicas_hit]
+    assert run.loss_scales == (S, S / 2, S / 2, S / 2) and run.iterations == (1, 1, 2, 3)
+    assert run.weight_changes[1] == 0.0
 stock_legacy = legacy["stock, overflow on replica 1 only"]  # tf-keras got it right:
 assert stock_legacy.weights_finite and stock_legacy.weight_changes[2] == 0.0
 assert stock_legacy.loss_scales == returning.loss_scales  # skipped, the scale halved once
@@ -406,11 +415,13 @@ assert stock_legacy.loss_scales == returning.loss_scales  # skipped, the scale h
 # flags, read in cross-replica context (no extra collective).
 
 # %%
-for replicas_hit in [(1,), (0,)]:
+for replicas_hit in [(1,), (0,), tuple(range(R))]:
     run = first_replica.reproduce(strategy, overflow_replicas=replicas_hit, fixed=True)
     print(f"fixed wrapper, overflow on {replicas_hit}: loss scale ÷ S",
           [s / S for s in run.loss_scales])
     assert run.weights_finite and run.loss_scales == (S, S / 2, S / 2, S / 2)
+    assert run.iterations == (1, 1, 2, 3)  # skipped, exactly as the stock one skips replica 0's
+    check_close(run.final_weights, stock_runs[(0,)].final_weights, rtol=0, atol=0)
 
 # %% [markdown]
 # ## 5 · The fix: accumulate *inside* the wrapper
@@ -434,15 +445,17 @@ x, y = mixed.overflow_data(8, mb, None, R)
 auto = mixed.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)
 print(f"{auto.wrapper}({auto.wrapped}), accumulators:", ", ".join(auto.accumulator_dtypes))
 assert (auto.wrapper, auto.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
-assert auto.accumulator_dtypes == ("float32",) * 4
+assert auto.accumulator_dtypes == ("float32",) * 4 and all(auto.weights_finite)
 rows = []
-for name, make in {"sgd": lambda: keras.optimizers.SGD(0.1),
-                   "adam": lambda: keras.optimizers.Adam(0.01)}.items():
+for name, make in OPTIMIZERS.items():  # SGD(0.1), with momentum, Adam(0.01), AdamW
     accumulated = mixed.mixed_precision_fit(strategy, x, y, mb, 2, make)
     big_batch = mixed.mixed_precision_fit(strategy, x, y, 2 * mb, None, make)
     diff = check_close(accumulated.final_weights, big_batch.final_weights, **MIXED)
     rows.append((name, f"{diff.max_abs:.1e}", ", ".join(map(str, accumulated.iterations))))
-    assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)
+    check_not_close(accumulated.final_weights, accumulated.initial_weights, **MIXED)  # it trained
+    assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)  # updates, not micro-batches
+    assert accumulated.total_micro_steps == tuple(range(1, 9))
+    assert accumulated.accumulator_dtypes == ("float32",) * 4
 show_table(["8 micro-batches, k = 2", "vs 4 big-batch steps", "iterations"], rows)
 
 # %%

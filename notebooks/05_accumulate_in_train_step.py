@@ -208,6 +208,7 @@ rows = [("`g += _g` in `tf.while_loop` (the question)", record.compound_in_while
 show_table(["pattern", "after 3 iterations", "accumulated?"],
            [(name, value, "yes" if value == record.expected else "no") for name, value in rows])
 print("initial", record.initial, "| expected", record.expected)
+assert record.initial == [[1.0, 2.0], 10.0] and record.expected == [[7.0, 8.0], 70.0]
 assert record.compound_in_while_loop == record.initial  # g += _g: nothing accumulated
 assert record.returned_in_while_loop == record.expected  # grad = [g + _g ...]; return grad
 assert record.variable_assign_add == record.expected  # state change, not a name
@@ -229,7 +230,8 @@ show_table(["", "`+=`"],
                                         f"the variable still reads {record.keras_variable_value_after}")])
 assert not record.tensor_has_iadd and record.ndarray_has_iadd
 assert record.tf_variable_iadd_error.type == "RuntimeError"
-assert record.tf_variable_iadd_error.contains("Use `variable.assign_add(value)`")
+assert record.tf_variable_iadd_error.contains(
+    "`variable += value` with `tf.Variable`s is not supported. Use `variable.assign_add(value)`")
 assert record.keras_variable_rebound_to == "EagerTensor" and record.keras_variable_value_after == 1.0
 
 # %% [markdown]
@@ -270,6 +272,8 @@ assert loop_ops & {"While", "StatelessWhile"}
 in_fit = compound_assignment.reproduce_in_fit(micro_batches=4, examples=16)
 print(f"accepted fix, no 1/k: update / full-batch update = {in_fit.returned_ratio:.6f}")
 assert abs(in_fit.returned_ratio - 4.0) < 4e-6  # sum of k means: k times too large
+# and the question's loop, `g += _g`: one step on the first micro-batch, not the batch
+assert in_fit.vs_first_micro_batch.within() and not in_fit.vs_full_batch.within()
 
 # %% [markdown]
 # ## 3 · The fix, written out
@@ -408,11 +412,13 @@ rows = []
 for name, make in OPTIMIZERS.items():
     plain, plain_history = fit(one_device, make)
     ours, our_history = fit(strategy, make, K)
-    packaged, _ = fit(strategy, make, K, wrap=with_micro_batches)
+    packaged, packaged_history = fit(strategy, make, K, wrap=with_micro_batches)
     diff = check_close(weights_of(ours), weights_of(plain))
     packaged_diff = check_close(weights_of(packaged), weights_of(ours))
-    assert same_history(our_history, plain_history)
-    assert int(ours.optimizer.iterations.numpy()) == 4  # one update per fit step
+    check_close(weights_of(packaged), weights_of(plain))
+    assert same_history(our_history, plain_history) and same_history(packaged_history, plain_history)
+    for trained in (ours, packaged):
+        assert int(trained.optimizer.iterations.numpy()) == 4  # one update per fit step
     rows.append((name, f"{diff.max_abs:.1e}", f"{our_history['loss'][-1]:.6f}",
                  f"{plain_history['loss'][-1]:.6f}", int(ours.optimizer.iterations.numpy()),
                  f"{packaged_diff.max_abs:.1e}"))
@@ -529,7 +535,8 @@ try:
 except tf.errors.InvalidArgumentError as err:
     ragged_error = next(line for line in str(err).splitlines() if "assertion failed" in line)
 print(textwrap.fill(ragged_error.strip(), 96))
-assert "drop_remainder=True" in ragged_error and f"accumulation_steps={K}" in ragged_error
+assert "drop_remainder=True" in ragged_error
+assert f"not divisible by accumulation_steps={K} ({R} replica(s))" in ragged_error
 
 try:
     check_micro_batches(12, 4, 2)
@@ -677,13 +684,24 @@ show_table(["#", "the posted code", "on the installed TF / Keras"], [
      f"{audit.replicas_seen_in_fit} / {audit.replicas_of_model}"),
     (6, "update / correct update", f"{audit.two_replica_update_ratio:.6f}"),
 ])
+assert audit.super_self_error.type == "TypeError"
 assert audit.super_self_error.contains("super() argument 1 must be a type")
+assert set(audit.import_errors) == {
+    "tensorflow.python.keras.mixed_precision.experimental.loss_scale_optimizer",
+    "tensorflow.python.distribute.distribution_strategy_context"}
 assert all(e.type == "ModuleNotFoundError" for e in audit.import_errors.values())
+assert set(audit.attributes_present) == {
+    "optimizer._HAS_AGGREGATE_GRAD", "optimizer._aggregate_gradients",
+    "loss_scale_optimizer.get_scaled_loss", "loss_scale_optimizer.get_unscaled_gradients"}
 assert not any(audit.attributes_present.values()) and not audit.legacy_isinstance
-assert audit.aggregate_flag_error.contains("experimental_aggregate_gradients")
+assert audit.aggregate_flag_error.type == "TypeError"
+assert audit.aggregate_flag_error.contains(
+    "unexpected keyword argument 'experimental_aggregate_gradients'")
 assert audit.apply_clips_itself
 assert audit.iterations_with_k1 == 2
 assert abs(audit.reported_loss - audit.mean_prediction) < 1e-6 * abs(audit.mean_prediction) + 1e-6
+assert abs(audit.reported_loss - audit.true_loss) > 0.01 * abs(audit.true_loss)  # not the loss
+assert (audit.replicas_seen_in_fit, audit.replicas_of_model) == (1, R)
 assert abs(audit.two_replica_update_ratio - 1 / audit.replicas_of_model) < 1e-6
 
 # %% [markdown]

@@ -38,6 +38,7 @@ import distgrad
 strategy = distgrad.make_strategy(1)
 
 import json  # noqa: E402
+import os  # noqa: E402
 import tempfile  # noqa: E402
 import textwrap  # noqa: E402
 
@@ -217,6 +218,8 @@ checkpoint_dir = tempfile.mkdtemp(prefix="distgrad-chief-")
 chief, other = run_workers("distgrad.lab.workers:checkpoint_from_chief", WORKERS, timeout=240,
                            directory=checkpoint_dir, steps=2)
 assert chief.ok and other.ok and chief.value["is_chief"] and other.value["path"] is None
+assert chief.value["path"].startswith(os.path.join(checkpoint_dir, "ckpt"))
+assert any(name.startswith("ckpt") for name in os.listdir(checkpoint_dir))
 restored, restored_optimizer = tiny_model(), keras.optimizers.SGD(0.1)
 restored_optimizer.build(restored.trainable_variables)
 tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(
@@ -245,7 +248,7 @@ reason = [line.strip() for line in survivor.value["error"]["message"].splitlines
 print("dead worker exit code:", dead.returncode)
 print(f"survivor: {survivor.value['error']['type']} after {survivor.value['seconds']:.2f} s")
 print("\n".join(textwrap.shorten(line, 96) for line in reason[:2]))
-assert dead.returncode == 3
+assert dead.returncode == 3 and not dead.reported and dead.value is None
 assert survivor.value["error"]["type"] in {"UnavailableError", "DeadlineExceededError"}
 assert survivor.value["seconds"] < 15.0  # bounded: a clear error, never a hang
 
@@ -264,7 +267,6 @@ assert survivor.value["seconds"] < 15.0  # bounded: a clear error, never a hang
 # sets it.
 
 # %%
-import os  # noqa: E402
 import sys  # noqa: E402
 
 fit_dir = tempfile.mkdtemp(prefix="distgrad-fit-")

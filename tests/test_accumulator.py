@@ -30,7 +30,6 @@ from distgrad.lab.data import (
     token_data,
 )
 from distgrad.lab.recipes import big_batch_reference, dense_gradient_reference
-from distgrad.pitfalls import lazy_slot_creation
 
 EXAMPLES = 16
 MODELS = {"mlp": (tiny_model, lambda: regression_data(EXAMPLES)),
@@ -303,33 +302,6 @@ def test_checkpoint_mid_accumulation_restores_to_the_same_update(strategy, optim
 
 
 # --- item 5: where optimizer state is created ----------------------------------------------
-
-
-@pytest.mark.parametrize("optimizer_name", ["momentum", "adam"])
-def test_lazy_slot_creation_in_the_traced_apply_fails_on_two_replicas(strategy2, optimizer_name):
-    record = lazy_slot_creation.reproduce(strategy2, optimizer_name)
-    assert record.lazy_error is not None, (
-        "lazy slot creation under MirroredStrategy works now (keras-team/keras#23087 "
-        "shipped?): update lesson 02, section 5")
-    assert record.lazy_error.type == "InvalidArgumentError"
-    assert record.lazy_error.contains("You must feed a value for placeholder tensor")
-    assert record.lazy_error.contains("with dtype int32")
-    assert record.lazy_error.contains("fn_with_cond")
-    # the fix: build under the scope before tracing (make_apply_step does it)
-    assert record.built_first_vs_big_batch.within()
-    # the unfed int32 inputs: one collective instance key per replica
-    assert record.call_time_int32_inputs == 2
-
-
-def test_lazy_slot_creation_runs_without_slots_or_with_one_replica(strategy2, strategy1):
-    sgd = lazy_slot_creation.reproduce(strategy2, "sgd")
-    assert sgd.lazy_error is None
-    one = lazy_slot_creation.reproduce(strategy1, "adam")
-    assert one.lazy_error is None
-    assert one.call_time_int32_inputs == 0
-
-
-# --- errors -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("k", [0, -1])

@@ -36,19 +36,20 @@ def data(strategy, micro_batches=8, overflow_step=None, overflow_replicas=None):
     return x, y, micro_batch
 
 
-def test_compile_wraps_the_accumulating_optimizer_in_a_loss_scale_optimizer(strategy):
-    x, y, micro_batch = data(strategy)
-    record = mixed_precision_fit(strategy, x, y, micro_batch, initial_scale=None)
+# On R replicas lesson 04 §5 makes and asserts these two runs (once per suite).
+def test_compile_wraps_the_accumulating_optimizer_in_a_loss_scale_optimizer(strategy1):
+    x, y, micro_batch = data(strategy1)
+    record = mixed_precision_fit(strategy1, x, y, micro_batch, initial_scale=None)
     assert (record.wrapper, record.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
     assert record.accumulator_dtypes == ("float32",) * 4
     assert all(record.weights_finite)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_accumulated_mixed_precision_equals_big_batch_mixed_precision(strategy, name):
-    x, y, micro_batch = data(strategy)
-    accumulated = mixed_precision_fit(strategy, x, y, micro_batch, 2, OPTIMIZERS[name])
-    big_batch = mixed_precision_fit(strategy, x, y, 2 * micro_batch, None, OPTIMIZERS[name])
+def test_accumulated_mixed_precision_equals_big_batch_mixed_precision(strategy1, name):
+    x, y, micro_batch = data(strategy1)
+    accumulated = mixed_precision_fit(strategy1, x, y, micro_batch, 2, OPTIMIZERS[name])
+    big_batch = mixed_precision_fit(strategy1, x, y, 2 * micro_batch, None, OPTIMIZERS[name])
     check_close(accumulated.final_weights, big_batch.final_weights, **MIXED)
     check_not_close(accumulated.final_weights, accumulated.initial_weights, **MIXED)
     assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)  # updates, not micro-batches

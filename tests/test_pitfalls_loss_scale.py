@@ -106,8 +106,9 @@ def test_an_overflow_poisons_the_patched_accumulator_and_freezes_the_weights(str
     assert record.weights_finite
 
 
-def test_the_stock_wrapper_skips_only_the_overflowing_micro_batch(strategy):
-    record = lsp.reproduce(strategy, "none", micro_batches=6, overflow_step=3)
+def test_the_stock_wrapper_skips_only_the_overflowing_micro_batch_on_one_replica(strategy1):
+    # On R replicas lesson 04 asserts the same run (each reproduction runs once per suite).
+    record = lsp.reproduce(strategy1, "none", micro_batches=6, overflow_step=3)
     assert record.loss_scales == halvings_after(3, 6, every_step=False)
     assert record.iterations == (1, 2, 2, 3, 4, 5)
     assert record.weight_changes[2] == 0.0
@@ -196,23 +197,6 @@ def test_mixed_precision_policy_is_restored_even_on_error():
 
 # -- Keras 3: LossScaleOptimizer takes `finite` from the first replica -----------------
 
-def test_overflow_on_replica_1_only_leaves_non_finite_weights(strategy2):
-    record = first_replica.reproduce(strategy2, overflow_replicas=(1,), overflow_step=2)
-    assert not record.weights_finite
-    assert record.loss_scales[1] == S  # the wrapper saw nothing wrong...
-    assert record.iterations[:2] == (1, 2)  # ...and applied the step
-    assert record.weight_changes[1] == float("inf")
-
-
-@pytest.mark.parametrize("overflow_replicas", [(0,), (0, 1)], ids=["replica0", "both"])
-def test_overflow_seen_by_replica_0_is_skipped(strategy2, overflow_replicas):
-    record = first_replica.reproduce(strategy2, overflow_replicas=overflow_replicas)
-    assert record.weights_finite
-    assert record.loss_scales == (S, S / 2, S / 2, S / 2)
-    assert record.iterations == (1, 1, 2, 3)
-    assert record.weight_changes[1] == 0.0
-
-
 def test_check_finite_returns_false_on_replica_1_and_the_step_is_applied(strategy2):
     flags = first_replica.finite_flags(strategy2, overflow_replicas=(1,))
     assert flags.finite_by_replica == {0: True, 1: False}
@@ -220,16 +204,6 @@ def test_check_finite_returns_false_on_replica_1_and_the_step_is_applied(strateg
     fixed = first_replica.finite_flags(strategy2, overflow_replicas=(1,), fixed=True)
     assert fixed.finite_by_replica == {0: True, 1: False}
     assert not fixed.applied and fixed.weights_finite
-
-
-@pytest.mark.parametrize("overflow_replicas", [(1,), (0,), (0, 1)], ids=["replica1", "replica0", "both"])
-def test_all_replicas_finite_wrapper_skips_an_overflow_on_any_replica(strategy2, overflow_replicas):
-    fixed = first_replica.reproduce(strategy2, overflow_replicas=overflow_replicas, fixed=True)
-    stock_replica0 = first_replica.reproduce(strategy2, overflow_replicas=(0,))
-    assert fixed.weights_finite
-    assert fixed.loss_scales == (S, S / 2, S / 2, S / 2)
-    assert fixed.iterations == (1, 1, 2, 3)
-    check_close(fixed.final_weights, stock_replica0.final_weights, rtol=0, atol=0)
 
 
 def test_all_replicas_finite_wrapper_changes_nothing_on_one_replica(strategy1):

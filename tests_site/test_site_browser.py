@@ -63,11 +63,12 @@ def test_lesson_page_renders_every_code_cell_with_its_outputs(page, screenshots,
     assert page.locator(f"{cell} .jp-InputArea .highlight-ipynb pre").count() == len(code_cells)
     assert page.locator(f"{cell} clipboard-copy").count() == len(code_cells)
     # Every cell that produced output shows it, visibly.
-    cells_with_output = page.locator(f"{cell}:has(.jp-OutputArea-output)")
-    assert cells_with_output.count() == len(with_outputs)
-    for i in range(cells_with_output.count()):
-        box = cells_with_output.nth(i).locator(".jp-OutputArea-output").first.bounding_box()
-        assert box and box["height"] > 0, f"output {i} of {name} is not visible"
+    heights = page.locator(f"{cell}:has(.jp-OutputArea-output)").evaluate_all(
+        "cells => cells.map(c => c.querySelector('.jp-OutputArea-output')"
+        ".getBoundingClientRect().height)")
+    assert len(heights) == len(with_outputs)
+    hidden = [i for i, height in enumerate(heights) if not height > 0]
+    assert not hidden, f"outputs {hidden} of {name} are not visible"
     first_source = "".join(code_cells[0]["source"]).strip().splitlines()[0]
     assert first_source in rendered.first.inner_text()
 
