@@ -74,13 +74,25 @@ unit: install
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 # The unit tests and every lesson in one pytest-xdist session, file by file, in the order
-# given: the lessons and the slowest test files first, so that no long file starts last
-# and both workers stay busy until the end (xdist would otherwise put the files with the
-# most tests first, and the one-item lessons last).
-SLOW_TESTS := $(addprefix tests/test_,benchmarks.py upstream_reports.py tf_keras_optimizer.py \
-  multi_worker_fit.py train_step.py tf_keras_mixed_precision.py no_merge_call.py)
+# given: longest first (worker seconds measured on 2 cores), so that the last files to
+# start are short and both workers stay busy until the end. xdist would otherwise put
+# the files with the most tests first and the one-item lessons last; and given the
+# `tests` directory, pytest would collect its files in name order, so they are named
+# one by one (files not listed here run last).
+LONGEST_FIRST := tests/test_train_step.py $(EXECUTED)/05_accumulate_in_train_step.ipynb \
+  $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb $(EXECUTED)/06_multi_worker.ipynb \
+  tests/test_non_finite.py $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_optimizer.py \
+  tests/test_benchmarks.py tests/test_no_merge_call.py tests/test_upstream_reports.py \
+  $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_tf_keras_optimizer.py \
+  tests/test_accumulator.py $(EXECUTED)/01_where_gradients_sync.ipynb \
+  tests/test_mixed_precision.py tests/test_tf_keras_mixed_precision.py tests/test_epoch_ends.py \
+  tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py tests/test_beyond_the_basics.py \
+  tests/test_copy_alone.py $(EXECUTED)/07_beyond_the_basics.ipynb tests/test_tf_keras_custom_loop.py \
+  tests/test_multiworker.py tests/test_legacy.py tests/test_devices.py tests/test_sync.py
+TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort \
+  $(patsubst notebooks/%,$(EXECUTED)/%,$(wildcard notebooks/*.ipynb)) $(wildcard tests/test_*.py)))
 unit-and-lessons: install copy-lessons
-	$(LESSONS_PYTEST) --dist loadfile --no-loadscope-reorder $(EXECUTED) $(SLOW_TESTS) tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+	$(LESSONS_PYTEST) --dist loadfile --no-loadscope-reorder $(TEST_FILES) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.
