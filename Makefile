@@ -79,16 +79,16 @@ unit: install
 # the files with the most tests first and the one-item lessons last; and given the
 # `tests` directory, pytest would collect its files in name order, so they are named
 # one by one (files not listed here run last).
-LONGEST_FIRST := tests/test_train_step.py $(EXECUTED)/05_accumulate_in_train_step.ipynb \
-  $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb $(EXECUTED)/06_multi_worker.ipynb \
-  tests/test_non_finite.py $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_optimizer.py \
-  tests/test_benchmarks.py tests/test_no_merge_call.py tests/test_upstream_reports.py \
-  $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_tf_keras_optimizer.py \
-  tests/test_accumulator.py $(EXECUTED)/01_where_gradients_sync.ipynb \
-  tests/test_mixed_precision.py tests/test_tf_keras_mixed_precision.py tests/test_epoch_ends.py \
-  tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py tests/test_beyond_the_basics.py \
-  tests/test_copy_alone.py $(EXECUTED)/07_beyond_the_basics.ipynb tests/test_tf_keras_custom_loop.py \
-  tests/test_multiworker.py tests/test_legacy.py tests/test_devices.py tests/test_sync.py
+LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
+  $(EXECUTED)/05_accumulate_in_train_step.ipynb tests/test_benchmarks.py \
+  $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_train_step.py tests/test_optimizer.py \
+  $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py \
+  $(EXECUTED)/06_multi_worker.ipynb tests/test_non_finite.py tests/test_accumulator.py \
+  $(EXECUTED)/01_where_gradients_sync.ipynb tests/test_epoch_ends.py tests/test_mixed_precision.py \
+  tests/test_tf_keras_optimizer.py tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py \
+  tests/test_tf_keras_mixed_precision.py $(EXECUTED)/07_beyond_the_basics.ipynb \
+  tests/test_copy_alone.py tests/test_upstream_reports.py tests/test_multiworker.py \
+  tests/test_beyond_the_basics.py tests/test_tf_keras_custom_loop.py tests/test_sync.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort \
   $(patsubst notebooks/%,$(EXECUTED)/%,$(wildcard notebooks/*.ipynb)) $(wildcard tests/test_*.py)))
 unit-and-lessons: install copy-lessons

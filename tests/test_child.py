@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from distgrad.lab import fork_server
 from distgrad.lab.child import Child, ChildError, ChildResult, run_child, to_json
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
@@ -68,16 +69,45 @@ def test_a_child_past_its_timeout_is_killed(tmp_path):
     assert child.result() is result  # the same outcome on every call
 
 
-def test_the_trampoline_gives_the_child_a_peak_rss_of_its_own():
+def test_the_trampoline_gives_the_child_a_peak_rss_of_its_own(monkeypatch):
     # Started straight from this (TensorFlow-sized) process, the child's ru_maxrss
     # starts at our peak; through the trampoline it is the child's own.
     ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    monkeypatch.setenv(fork_server.ENV, "0")  # a forked child's peak is its server's
     direct = run_child("workers_for_tests:peak_rss_kib", env=TESTS_ON_PATH).value
     isolated = run_child("workers_for_tests:peak_rss_kib", env=TESTS_ON_PATH,
                          trampoline=True).value
     assert ours > 200 * 1024  # KiB: TensorFlow is loaded here
     assert direct >= ours
     assert isolated < ours / 4
+
+
+def test_children_are_forked_from_one_server_and_each_starts_its_own_runtime():
+    # DISTGRAD_REPLICAS is read when the child makes its strategy: 3 logical devices in
+    # one child, 1 in the next, from the same server, so the server started no runtime.
+    children = {n: Child("workers_for_tests:replicas_in_sync",
+                         env={**TESTS_ON_PATH, "DISTGRAD_REPLICAS": str(n)}) for n in (3, 1)}
+    assert all(child.forked for child in children.values())
+    assert {n: child.wait().check().value for n, child in children.items()} == {3: 3, 1: 1}
+    servers = {child.process.server_pid for child in children.values()}
+    other = Child("workers_for_tests:plain_values",
+                  env={**TESTS_ON_PATH, "TF_ENABLE_ONEDNN_OPTS": "0"})  # read at import
+    assert other.wait().ok and len(servers) == 1 and other.process.server_pid not in servers
+
+
+def test_the_fork_server_can_be_turned_off_and_a_bad_switch_is_refused(monkeypatch):
+    monkeypatch.setenv(fork_server.ENV, "0")
+    child = Child("workers_for_tests:plain_values", env=TESTS_ON_PATH)
+    assert not child.forked and child.wait().ok
+    monkeypatch.setenv(fork_server.ENV, "yes")
+    with pytest.raises(ValueError, match="DISTGRAD_FORK_SERVER must be '1'"):
+        Child("workers_for_tests:plain_values", env=TESTS_ON_PATH)
+
+
+def test_a_server_serves_environments_that_differ_only_after_import():
+    env = {"TF_CONFIG": "{}", "PYTHONPATH": "/x", "DISTGRAD_REPLICAS": "2",
+           "TF_USE_LEGACY_KERAS": "1", "PATH": "/bin"}
+    assert fork_server.server_env(env) == {"TF_USE_LEGACY_KERAS": "1", "PATH": "/bin"}
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", [

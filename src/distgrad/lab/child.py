@@ -1,4 +1,4 @@
-"""Run one function of a real module in a fresh Python process, get back its result.
+"""Run one function of a real module in a process of its own, get back its result.
 
 Every experiment that needs a process of its own uses this one runner and its one result
 protocol: tf-keras (`TF_USE_LEGACY_KERAS=1` must be set before TensorFlow is imported,
@@ -6,8 +6,9 @@ protocol: tf-keras (`TF_USE_LEGACY_KERAS=1` must be set before TensorFlow is imp
 checkpoint in a new runtime (`distgrad.lab.resume`), and the workers of a local
 `MultiWorkerMirroredStrategy` cluster (`distgrad.lab.multiworker`).
 
-The child runs `python -m distgrad.lab.child MODULE:FUNCTION KWARGS_PATH RESULT_PATH`:
-it imports `MODULE`, calls `FUNCTION(**kwargs)` with the JSON object in `KWARGS_PATH`,
+The child runs `python -m distgrad.lab.child MODULE:FUNCTION KWARGS_PATH RESULT_PATH`
+(on Linux it is forked from a server that has already imported TensorFlow, with its
+runtime not yet started: `distgrad.lab.fork_server`): it imports `MODULE`, calls `FUNCTION(**kwargs)` with the JSON object in `KWARGS_PATH`,
 and writes `{"value": <JSON of the return value>, "error": null | {"type", "message"}}`
 to `RESULT_PATH` (a raised exception's traceback also goes to its stderr). Return values
 may hold numpy arrays and scalars, eager tensors and dataclasses; they come back as
@@ -33,6 +34,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+from distgrad.lab import fork_server
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -131,9 +134,11 @@ class Child:
     """A started child process calling `target(**kwargs)`.
 
     `env` is added to this process' environment (a value of None removes that
-    variable); `trampoline=True` starts it through a tiny intermediate process, so
-    its peak RSS is its own. The child is its own process group: `kill()` (and
-    `result()`, `wait()`) never leave it, or anything it started, running.
+    variable); `trampoline=True` starts a fresh interpreter through a tiny intermediate
+    process, so its peak RSS is its own. Otherwise the child is forked from a server
+    (`distgrad.lab.fork_server`, `forked` is True) where that is enabled. The child is
+    its own process group: `kill()` (and `result()`, `wait()`) never leave it, or
+    anything it started, running.
     """
 
     def __init__(self, target: str, kwargs: dict | None = None, env: dict | None = None,
@@ -144,21 +149,25 @@ class Child:
         self._result_path = os.path.join(self._dir.name, "result.json")
         with open(kwargs_path, "w") as f:
             json.dump(kwargs or {}, f)
-        self._stderr = open(  # noqa: SIM115 - open until result() reads and closes it
-            os.path.join(self._dir.name, "stderr.txt"), "w+")
+        stderr_path = os.path.join(self._dir.name, "stderr.txt")
+        self._stderr = open(stderr_path, "w+")  # noqa: SIM115 - result() reads, closes it
         child_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         for name, value in (env or {}).items():
             if value is None:
                 child_env.pop(name, None)
             else:
                 child_env[name] = value
-        command = [sys.executable, "-m", "distgrad.lab.child", target, kwargs_path,
-                   self._result_path]
-        if trampoline:
-            command = [sys.executable, "-c", _TRAMPOLINE, *command]
+        argv = [target, kwargs_path, self._result_path]
+        self.forked = not trampoline and fork_server.enabled()
         self.started = time.monotonic()
-        self.process = subprocess.Popen(command, env=child_env, stdout=subprocess.DEVNULL,
-                                        stderr=self._stderr, start_new_session=True)
+        if self.forked:
+            self.process = fork_server.start(argv, child_env, stderr_path)
+        else:
+            command = [sys.executable, "-m", "distgrad.lab.child", *argv]
+            if trampoline:
+                command = [sys.executable, "-c", _TRAMPOLINE, *command]
+            self.process = subprocess.Popen(command, env=child_env, stdout=subprocess.DEVNULL,
+                                            stderr=self._stderr, start_new_session=True)
         self.finished: float | None = None
         self._result: ChildResult | None = None
 
@@ -210,7 +219,7 @@ class Child:
 def run_child(target: str, kwargs: dict | None = None, env: dict | None = None,
               timeout: float = DEFAULT_TIMEOUT_S, check: bool = True,
               trampoline: bool = False) -> ChildResult:
-    """Call `target(**kwargs)` in a fresh Python with `env` applied (see `Child`).
+    """Call `target(**kwargs)` in a new process with `env` applied (see `Child`).
 
     `kwargs` must be JSON-serializable. Returns the `ChildResult`.
 

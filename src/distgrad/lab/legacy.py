@@ -1,4 +1,4 @@
-"""Run a function of a real module under legacy `tf-keras` (Keras 2) in a fresh Python.
+"""Run a function of a real module under legacy `tf-keras` (Keras 2) in a new process.
 
 Many questions this course answers were asked in the Keras 2 era (`tf.keras` before
 TensorFlow 2.16). TensorFlow still ships that behaviour as the separate `tf-keras`

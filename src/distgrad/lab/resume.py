@@ -3,7 +3,7 @@
 Process 1 trains `AccumulatingOptimizer(Adam, ACCUMULATION_STEPS)` with `model.fit` for part of the
 data, stopping inside an accumulation cycle, and saves the model (`model.save`, which
 includes the optimizer: inner slots, `micro_steps`, the float32 accumulators). Process
-2 — a new Python, a new TensorFlow runtime — loads it under its own strategy and fits
+2 — a new process, a new TensorFlow runtime — loads it under its own strategy and fits
 the rest. Its final weights must equal one uninterrupted run.
 """
 
@@ -69,7 +69,7 @@ def phase(name: str, workdir: str, replicas: int) -> dict:
 
 
 def resume_in_fresh_processes(workdir: str, replicas: int = 2, timeout: float = 300) -> dict:
-    """Run phase "first" and phase "rest" each in a new Python process
+    """Run phase "first" and phase "rest" each in a new process
     (`distgrad.lab.child`); return their reports and the final weights (`"weights"`).
     Raises `ChildError` (a RuntimeError) with the child's stderr tail if a phase fails."""
     reports = {}

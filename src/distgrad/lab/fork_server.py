@@ -1,0 +1,256 @@
+"""Start children by forking a server that has already imported TensorFlow (Linux).
+
+Importing TensorFlow and Keras costs a fresh interpreter about 5 s of CPU, more than
+most experiments that need a process of their own. A fork server pays it once: it
+imports them (its environment decides what the import sees), creates no runtime, and
+forks one child per request. Each child starts its TensorFlow runtime itself, so it
+gets its own devices, `TF_CONFIG` and logical-device setup exactly like a freshly
+started `python -m distgrad.lab.child`.
+
+One server serves every request whose environment differs from its own only in
+variables not read at import (`TF_CONFIG`, `PYTHONPATH`, `DISTGRAD_*`);
+any other difference (`TF_USE_LEGACY_KERAS`, `TF_ENABLE_ONEDNN_OPTS`, ...) gets a
+server of its own. `DISTGRAD_FORK_SERVER=0` turns it off: every child is then a
+fresh interpreter. Off Linux it is always off.
+
+Per request the server forks a monitor, which forks the child (its own session, so
+killing its process group kills all it started), sends the child's pid, waits for it
+and sends its exit status; the caller reads both from a socket of its own
+(`ForkedProcess`, which answers like `subprocess.Popen`). A server exits when its
+caller closes the control socket, as when the calling process ends.
+
+This module imports only the standard library until a server imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+ENV = "DISTGRAD_FORK_SERVER"
+# Not read at import (TF_CONFIG: when a strategy starts; PYTHONPATH: the child's
+# sys.path is rebuilt; pytest sets PYTEST_CURRENT_TEST per test): a child may differ
+# from its server in these.
+PER_CHILD = ("TF_CONFIG", "PYTHONPATH", "PYTEST_CURRENT_TEST")
+PER_CHILD_PREFIX = "DISTGRAD_"
+READY_TIMEOUT_S = 300.0
+_MESSAGE = 1 << 20
+
+
+def enabled() -> bool:
+    """Whether children are forked from a server: on Linux unless `DISTGRAD_FORK_SERVER=0`."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be '1' (fork children from a server) or '0' (start "
+                         f"each child as a fresh interpreter), got {value!r}.")
+    return value == "1" and sys.platform.startswith("linux")
+
+
+def server_env(env: dict) -> dict:
+    """`env` without the variables a child may set for itself (pure function)."""
+    return {name: value for name, value in env.items()
+            if name not in PER_CHILD and not name.startswith(PER_CHILD_PREFIX)}
+
+
+class ForkedProcess:
+    """A child forked by the server `server_pid`, with `subprocess.Popen`'s `pid`,
+    `returncode`, `poll()` and `wait(timeout)` (raising `subprocess.TimeoutExpired`)."""
+
+    def __init__(self, status: socket.socket, args, server_pid: int):
+        self.args = args
+        self.server_pid = server_pid
+        self.returncode: int | None = None
+        self._status = status
+        self._buffer = b""
+        status.settimeout(READY_TIMEOUT_S)
+        self.pid = int(self._line())
+
+    def _line(self) -> bytes:
+        while b"\n" not in self._buffer:
+            data = self._status.recv(64)
+            if not data:  # the monitor died: nothing can say what happened to the child
+                raise ChildProcessError(f"the fork server's monitor of {self.args} vanished")
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._status.settimeout(timeout)
+            try:
+                self.returncode = int(self._line())
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: timeout 0
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self._status.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class _Server:
+    """One server process and the control socket to it."""
+
+    def __init__(self, env: dict):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "distgrad.lab.fork_server", str(theirs.fileno())],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+            pass_fds=(theirs.fileno(),), start_new_session=True)
+        theirs.close()
+        self.control = ours
+        ours.settimeout(READY_TIMEOUT_S)
+        try:
+            ready = ours.recv(_MESSAGE)
+        except TimeoutError:
+            ready = b""
+        ours.settimeout(None)
+        if ready != b"ready":
+            self.close()
+            self._log.seek(0)
+            tail = self._log.read().decode(errors="replace").strip().splitlines()[-15:]
+            raise RuntimeError("the fork server did not start (set DISTGRAD_FORK_SERVER=0 "
+                               "to start each child as a fresh interpreter); its stderr:\n"
+                               + "\n".join(tail))
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def start(self, request: dict) -> socket.socket:
+        ours, theirs = socket.socketpair()
+        try:
+            socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno()])
+        finally:
+            theirs.close()
+        return ours
+
+    def close(self) -> None:
+        self.control.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+_servers: dict[tuple, _Server] = {}
+_lock = threading.Lock()
+
+
+def start(argv: list[str], env: dict, stderr_path: str) -> ForkedProcess:
+    """Fork `python -m distgrad.lab.child *argv` with `env` from a matching server
+    (started on first use), its stderr appended to `stderr_path`, stdout discarded."""
+    base = server_env(env)
+    key = tuple(sorted(base.items()))
+    request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stderr": stderr_path}
+    with _lock:
+        server = _servers.get(key)
+        if server is None or not server.alive():
+            server = _servers[key] = _Server(base)
+        status = server.start(request)
+    return ForkedProcess(status, ["distgrad.lab.child", *argv], server.process.pid)
+
+
+@atexit.register
+def _close_all() -> None:
+    for server in _servers.values():
+        server.close()
+    _servers.clear()
+
+
+def _preload() -> None:
+    import tensorflow as tf
+
+    if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        importlib.import_module("tf_keras")
+    else:
+        importlib.import_module("keras")
+    from tensorflow.python.eager import context
+
+    # Private: every public way to ask would start the runtime.
+    if context.context()._context_handle is not None:
+        raise RuntimeError(f"importing TensorFlow {tf.__version__} started its runtime; "
+                           "a forked child could not configure its own devices.")
+
+
+def _become_child(request: dict, session_made: int, base_path: list[str]) -> None:
+    """In the forked child: the session, files, directory, environment and `sys.path`
+    that `python -m distgrad.lab.child` would have had, then its `_main` (never returns)."""
+    try:
+        os.setsid()
+        os.close(session_made)  # the monitor may now report this pid (and kill its group)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        stderr = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        for fd, source in ((0, devnull), (1, devnull), (2, stderr)):
+            os.dup2(source, fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [request["cwd"], *extra, *base_path]
+        importlib.invalidate_caches()
+        sys.argv = ["-m", *request["argv"]]
+        from distgrad.lab.child import _main
+
+        _main(request["argv"])
+    except BaseException:  # noqa: BLE001 - reported as the child's stderr and exit status
+        traceback.print_exc()
+    os._exit(70)
+
+
+def _serve(control: socket.socket, base_path: list[str]) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    control.sendall(b"ready")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, _MESSAGE, 1)
+        except OSError:
+            return
+        if not message:
+            return
+        status = socket.socket(fileno=fds[0])
+        request = json.loads(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:  # the monitor
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            session_wait, session_made = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                status.close()
+                os.close(session_wait)
+                _become_child(request, session_made, base_path)
+            os.close(session_made)
+            os.read(session_wait, 1)  # EOF once the child has its own session (or died)
+            status.sendall(f"{pid}\n".encode())
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            status.sendall(f"{code}\n".encode())
+            os._exit(0)
+        status.close()
+
+
+def _main(fd: str) -> None:
+    control = socket.socket(fileno=int(fd))
+    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    base_path = [p for p in sys.path[1:] if p not in own]
+    _preload()
+    _serve(control, base_path)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
