@@ -5,6 +5,7 @@ child (`distgrad.lab.child.run_child`; test-only targets are in `workers_for_tes
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -19,6 +20,17 @@ from distgrad.devices import replica_devices  # noqa: E402
 
 MAX_REPLICAS = 2
 replica_devices(MAX_REPLICAS)
+
+
+@pytest.fixture
+def collect_garbage():
+    """For a test in which `fit` raises. The traceback holds the fit's tf.data iterator in
+    reference cycles until the cyclic GC frees it, maybe tests later; an iterator freed
+    long after it stopped was measured to block the freeing thread, with the GIL held,
+    for 10-90 s (a tf.data background thread has to end first). Freed right after the
+    test, it goes at once."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -132,6 +132,7 @@ def test_flush_inside_strategy_run_is_rejected(strategy2):
         tf.function(lambda: strategy2.run(model.optimizer.flush))()
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_the_callback_finds_the_optimizer_inside_a_loss_scale_optimizer_and_needs_one():
     import keras
 

@@ -104,6 +104,7 @@ def test_a_nan_on_replica_1_only_drops_the_cycle_on_every_replica():
     assert mirrored_copies_agree(run.model.trainable_variables)
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_raise_names_the_update_of_a_nan_on_replica_1_only_and_applies_nothing():
     strategy = no_merge_call_strategy(2)
     x, y = with_nan_on_last_replica(*data(), micro_batch_index=2, replicas=2)
@@ -161,6 +162,7 @@ def test_micro_batching_equals_plain_big_batch_fit_without_merge_call(no_merge_c
     assert fit_step_all_reduce_sizes(run.model, x, y, 16) == expected
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_micro_batching_skips_without_merge_call_through_an_accumulating_optimizer():
     strategy = no_merge_call_strategy(2)
     x, y = regression_data(32)
@@ -194,6 +196,7 @@ def test_keras_loss_scale_optimizer_fails_at_its_first_step_without_merge_call_n
     assert all(record["weights_finite"])
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_the_all_replicas_finite_wrapper_fails_at_the_first_step_naming_the_fix():
     x, y = overflow_data(2, 8, replicas=2)
     with pytest.raises(ValueError, match="without merge_call.*jit_compile=False"):
@@ -223,6 +226,7 @@ def test_under_xla_on_one_device_skip_equals_big_batch_and_drops_a_nan_cycle():
     assert all(np.all(np.isfinite(w)) for w in weights_of(model))
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_under_xla_raise_fails_at_the_first_step_naming_the_fix():
     x, y = data()
     with pytest.raises(ValueError, match=r"cannot raise in an XLA-compiled step.*"

@@ -51,6 +51,7 @@ def compiled(strategy, optimizer_factory, model_factory=tiny_model):
 # -- AccumulatingOptimizer ---------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_accumulating_optimizer_raises_by_default_naming_update_and_micro_step(any_strategy):
     x, y = nan_data(any_strategy)
     model = compiled(any_strategy, lambda: AccumulatingOptimizer(OPTIMIZERS["adam"](), K))
@@ -148,6 +149,7 @@ def test_gradient_accumulator_skip_resets_counts_and_warns(strategy):
 # -- MicroBatching -----------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_micro_batching_raises_by_default_naming_the_update(strategy):
     x, y = nan_data(strategy, micro_batch_index=1, batch=16, examples=32)
     model = compiled(strategy, OPTIMIZERS["sgd"], lambda: with_micro_batches(tiny_model(), 4))

@@ -309,6 +309,7 @@ def test_clipping_passed_to_the_wrapper_is_rejected_with_the_fix():
         AccumulatingOptimizer(keras.optimizers.SGD(0.1), 4, clipnorm=1.0)
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_created_outside_the_strategy_scope_fails_at_build_with_the_fix(strategy2):
     optimizer = AccumulatingOptimizer(keras.optimizers.SGD(0.1), 4)  # no scope
     x, y = data()

@@ -27,6 +27,7 @@ def test_reproduce_rejects_zero_iterations():
         compound_assignment.reproduce(0)
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_reproduce_in_fit_needs_equal_micro_batches():
     with pytest.raises(ValueError, match="must be divisible by micro_batches=3"):
         compound_assignment.reproduce_in_fit(micro_batches=3, examples=16)

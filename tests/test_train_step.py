@@ -300,6 +300,7 @@ def test_the_all_replicas_finite_wrapper_of_lesson_04_composes_with_micro_batchi
 # --- bad input ---------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_ragged_last_batch_raises_naming_the_fix_on_one_replica(strategy1):
     # On R replicas lesson 05 makes and asserts the same fit (once per suite).
     x, y = regression_data(30)  # the last batch of 14 does not split
@@ -329,6 +330,7 @@ def test_under_xla_micro_batching_matches_and_a_ragged_batch_raises_instead_of_t
         run(4, (x[:30], y[:30]))
 
 
+@pytest.mark.usefixtures("collect_garbage")
 def test_static_batch_that_does_not_split_raises_at_trace_time(strategy2):
     x, y = regression_data(EXAMPLES)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(12, drop_remainder=True)
