@@ -46,9 +46,10 @@ site: install
 # The built site in headless Chromium (every lesson renders code and outputs, nav, search,
 # diagrams, dark mode), its internal links and anchors; screenshots in build/screenshots/.
 # Needs `make site` first; lives in tests_site/ so `make unit` needs neither site nor browser.
+# File by file on the pytest-xdist workers: the browser check and the rest run side by side.
 site-test: install chromium
 	mkdir -p build/screenshots
-	CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests_site -p no:cacheprovider ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+	CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests_site -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 # Installs Chromium with apt when it is missing and we are root (CI); otherwise says how.
 chromium:

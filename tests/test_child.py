@@ -104,6 +104,13 @@ def test_the_fork_server_can_be_turned_off_and_a_bad_switch_is_refused(monkeypat
         Child("workers_for_tests:plain_values", env=TESTS_ON_PATH)
 
 
+def test_a_server_that_cannot_start_is_reported_with_the_switch_that_avoids_it(tmp_path):
+    with pytest.raises(RuntimeError, match=r"the fork server did not start \(set "
+                                           r"DISTGRAD_FORK_SERVER=0"):
+        Child("workers_for_tests:plain_values",
+              env={**TESTS_ON_PATH, "PYTHONHOME": str(tmp_path / "no-python-here")})
+
+
 def test_a_server_serves_environments_that_differ_only_after_import():
     env = {"TF_CONFIG": "{}", "PYTHONPATH": "/x", "DISTGRAD_REPLICAS": "2",
            "TF_USE_LEGACY_KERAS": "1", "PATH": "/bin"}

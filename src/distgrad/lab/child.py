@@ -161,7 +161,12 @@ class Child:
         self.forked = not trampoline and fork_server.enabled()
         self.started = time.monotonic()
         if self.forked:
-            self.process = fork_server.start(argv, child_env, stderr_path)
+            try:
+                self.process = fork_server.start(argv, child_env, stderr_path)
+            except BaseException:
+                self._stderr.close()
+                self._dir.cleanup()
+                raise
         else:
             command = [sys.executable, "-m", "distgrad.lab.child", *argv]
             if trampoline:
@@ -227,6 +232,7 @@ def run_child(target: str, kwargs: dict | None = None, env: dict | None = None,
         TypeError / ValueError: a malformed target, or a non-positive timeout.
         TimeoutError: the child ran longer than `timeout` seconds (it is killed).
         ChildError: with `check=True`, the child raised or exited without a result.
+        RuntimeError: the fork server did not start (with its stderr tail).
     """
     check_target(target)
     timeout = check_timeout(timeout)
