@@ -90,6 +90,9 @@ def test_children_are_forked_from_one_server_and_each_starts_its_own_runtime():
     assert all(child.forked for child in children.values())
     assert {n: child.wait().check().value for n, child in children.items()} == {3: 3, 1: 1}
     servers = {child.process.server_pid for child in children.values()}
+    draws = [run_child("workers_for_tests:numpy_global_draw", env=TESTS_ON_PATH).value
+             for _ in range(2)]
+    assert draws[0] != draws[1]  # NumPy's global generator is reseeded in each child
     other = Child("workers_for_tests:plain_values",
                   env={**TESTS_ON_PATH, "TF_ENABLE_ONEDNN_OPTS": "0"})  # read at import
     assert other.wait().ok and len(servers) == 1 and other.process.server_pid not in servers

@@ -37,6 +37,13 @@ def peak_rss_kib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def numpy_global_draw():
+    """A draw from NumPy's global generator, which a new process seeds from the OS."""
+    import numpy as np
+
+    return float(np.random.random())
+
+
 def raise_marker(marker, replicas=None):
     raise ValueError(marker)
 

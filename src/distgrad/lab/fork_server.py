@@ -203,6 +203,9 @@ def _become_child(request: dict, session_made: int, base_path: list[str]) -> Non
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [request["cwd"], *extra, *base_path]
         importlib.invalidate_caches()
+        # Python's `random` reseeds itself after a fork; NumPy's global generator does
+        # not, and a fresh interpreter would seed it from the OS.
+        sys.modules["numpy"].random.seed()
         sys.argv = ["-m", *request["argv"]]
         from distgrad.lab.child import _main
 
