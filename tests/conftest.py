@@ -25,10 +25,10 @@ replica_devices(MAX_REPLICAS)
 @pytest.fixture
 def collect_garbage():
     """For a test in which `fit` raises. The traceback holds the fit's tf.data iterator in
-    reference cycles until the cyclic GC frees it, maybe tests later; an iterator freed
-    long after it stopped was measured to block the freeing thread, with the GIL held,
-    for 10-90 s (a tf.data background thread has to end first). Freed right after the
-    test, it goes at once."""
+    reference cycles until the cyclic GC frees it, which can be several tests later. An
+    iterator freed long after it stopped was measured to block the freeing thread, with
+    the GIL held, for 10-90 s (a tf.data background thread has to end first). Freed
+    right after the test, it went at once in every run measured."""
     yield
     gc.collect()
 

@@ -7,10 +7,11 @@ checkpoint in a new runtime (`distgrad.lab.resume`), and the workers of a local
 `MultiWorkerMirroredStrategy` cluster (`distgrad.lab.multiworker`).
 
 The child runs `python -m distgrad.lab.child MODULE:FUNCTION KWARGS_PATH RESULT_PATH`
-(on Linux it is forked from a server that has already imported TensorFlow, with its
-runtime not yet started: `distgrad.lab.fork_server`): it imports `MODULE`, calls `FUNCTION(**kwargs)` with the JSON object in `KWARGS_PATH`,
-and writes `{"value": <JSON of the return value>, "error": null | {"type", "message"}}`
-to `RESULT_PATH` (a raised exception's traceback also goes to its stderr). Return values
+(on Linux it is forked from a server that has imported TensorFlow but started no
+runtime: `distgrad.lab.fork_server`): it imports `MODULE`, calls `FUNCTION(**kwargs)`
+with the JSON object in `KWARGS_PATH`, and writes
+`{"value": <JSON of the return value>, "error": null | {"type", "message"}}` to
+`RESULT_PATH` (a raised exception's traceback also goes to its stderr). Return values
 may hold numpy arrays and scalars, eager tensors and dataclasses; they come back as
 lists, dicts and Python numbers, non-finite floats as "nan", "inf", "-inf". The child
 ends with `os._exit`, so a collective still blocked on a dead peer cannot hang its

@@ -4,8 +4,9 @@ Importing TensorFlow and Keras costs a fresh interpreter about 5 s of CPU, more 
 most experiments that need a process of their own. A fork server pays it once: it
 imports them (its environment decides what the import sees), creates no runtime, and
 forks one child per request. Each child starts its TensorFlow runtime itself, so it
-gets its own devices, `TF_CONFIG` and logical-device setup exactly like a freshly
-started `python -m distgrad.lab.child`.
+gets its own devices, `TF_CONFIG` and logical-device setup, as a new interpreter running
+`python -m distgrad.lab.child` would; what it shares with the server is what importing
+TensorFlow and Keras did (NumPy's global generator is reseeded in the child).
 
 One server serves every request whose environment differs from its own only in
 variables not read at import (`TF_CONFIG`, `PYTHONPATH`, `DISTGRAD_*`);
