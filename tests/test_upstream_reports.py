@@ -102,8 +102,7 @@ RUNS = {
 def _run(stem: str, keras_module: str) -> dict:
     names = sorted(RUNS[stem, keras_module].values)
     kwargs = {"path": str(UPSTREAM / f"{stem}.py"), "names": names, "keras_module": keras_module}
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")]),
-           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
     if stem not in MULTI_WORKER:
         return run_child("upstream_runner:run_script", kwargs, env=env, timeout=300).value
     outcomes = [worker.check().value for worker in run_workers(
