@@ -26,6 +26,7 @@ This module imports only the standard library until a server imports TensorFlow.
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -258,6 +259,10 @@ def _main(fd: str) -> None:
     own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own]
     _preload()
+    # Python's advice for a fork without exec: the children's collections then skip the
+    # ~320k objects of the import (a full collection right after it: 0.19 s -> 0 s) and
+    # leave the pages they live on shared.
+    gc.freeze()
     _serve(control, base_path)
     # Nothing of the server's is left to save; a normal exit would spend ~1 s of CPU
     # tearing down TensorFlow.
