@@ -18,7 +18,8 @@ All-reduces, three ways, for one accumulated update (k micro-batches):
   `iterations` (updates actually made);
 * **measured**: executed all-reduce kernels in a TensorFlow profiler trace of the
   update (`benchmarks.trace`), divided by the replica count. A count that is not a
-  multiple of the replica count is an incomplete trace and is retaken (`traced_update`).
+  multiple of the replica count, or below the derived count, is an incomplete trace
+  and is retaken (`traced_update`).
 
 The same trace gives the op time of the accumulation's own kernels (`trace.op_time`).
 Memory: allocator bytes of one update in this process (`allocator_record`), peak RSS of
@@ -106,8 +107,9 @@ def traced_update(runner, updates: int = 1, with_graph: bool = True,
 
     All-reduces per update: graph, derived and profiler-measured (`trace`); op time by
     kernel category (`trace.op_time`) of the same trace. The host tracer occasionally
-    drops events (seen here on CPU, rarely): a kernel count that is not a multiple of
-    the replica count, or none on 2+ replicas, is an incomplete trace, so the update is
+    drops events (seen here on CPU, rarely) and never adds any: a kernel count that is
+    not a multiple of the replica count, none on 2+ replicas, or (`with_graph`) fewer
+    than the derived count of the calls traced is an incomplete trace, so the update is
     run and traced again, up to `attempts` times; the record says how many traces it
     took. Raises ValueError if every trace was incomplete.
     """
@@ -116,11 +118,16 @@ def traced_update(runner, updates: int = 1, with_graph: bool = True,
     before = runner.executions()
     traces = []
     for _ in range(attempts):
+        start = runner.executions()
         spaces = trace.profile(lambda: runner.run(updates))
         traces.append(sum(trace.all_reduce_events(space) for space in spaces))
         # With 2+ replicas every update all-reduces: a count of 0 is a trace that lost
-        # its events (seen on a loaded machine), like a count that is not a multiple of R.
+        # its events (seen on a loaded machine), like a count that is not a multiple of R,
+        # or one that lost both replicas' kernels of a call (seen: 1 per update of k=2).
         complete = traces[-1] % runner.replicas == 0 and (runner.replicas == 1 or traces[-1])
+        if complete and placement is not None:
+            expected = derived_all_reduces(placement, start, runner.executions())
+            complete = traces[-1] >= runner.replicas * expected
         if complete:
             break
     else:

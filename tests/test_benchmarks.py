@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -198,6 +199,37 @@ def test_scaling_groups_cover_every_k_and_one_replica_and_all_reduces_follow_k(q
             assert rows[key]["all_reduces"]["measured_per_update"] == 1, (k, key)
         for key in PLAIN:
             assert rows[key]["all_reduces"]["measured_per_update"] == k, (k, key)
+
+
+class _TwoReplicasTwoCalls:
+    """A runner on 2 replicas whose update is 2 calls of one all-reduce each."""
+    replicas = 2
+
+    def __init__(self):
+        self.calls = 0
+
+    def run(self, updates):
+        self.calls += 2 * updates
+
+    def executions(self):
+        return {"step": (self.calls, 0)}
+
+    def placement(self):
+        return {"step": SimpleNamespace(every_call=1, conditional=0)}
+
+
+def test_a_trace_with_fewer_all_reduces_than_the_graph_derives_is_retaken(monkeypatch):
+    # Seen in a quick run: one call's kernels lost on both replicas (2 of 4, a multiple of R).
+    counts = iter([2, 4])
+    monkeypatch.setattr(trace, "profile", lambda fn: (fn(), [b""])[1])
+    monkeypatch.setattr(trace, "all_reduce_events", lambda space: next(counts))
+    monkeypatch.setattr(trace, "op_time", lambda spaces, updates: {})
+    record, _ = measure.traced_update(_TwoReplicasTwoCalls())
+    assert record["measured_per_update"] == 2 == record["derived_per_update"]
+    assert record["profiler_traces"] == 2
+    counts = iter([2, 2, 2])
+    with pytest.raises(ValueError, match=r"counts \[2, 2, 2\] on 2 replicas"):
+        measure.traced_update(_TwoReplicasTwoCalls())
 
 
 def test_derived_count_is_graph_counts_times_calls_and_branch_runs():
