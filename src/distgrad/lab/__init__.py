@@ -4,6 +4,7 @@ Tiny deterministic models and data (`data`), weight comparisons and the optimize
 (`compare`), the training recipes lessons compare (`recipes`, `accumulation`, `mixed`),
 graph inspection (`graph`), the call spy (`spy`), the simulated GPU+XLA path
 (`xla_path`), rendering on the page (`display`), the one argument guard (`args`), the
-child-process runner (`child`, its children forked by `fork_server`) and what runs on it (`legacy` with the tf-keras recipes of
-`legacy_fit`, `multiworker`, `workers`, `memory`, `resume`).
+child-process runner (`child`, its children forked by `fork_server`) and what runs on it
+(`legacy` with the tf-keras recipes of `legacy_fit`, `multiworker`, `workers`, `memory`,
+`resume`).
 """
