@@ -35,7 +35,8 @@
 # patch returns `None` and breaks the wrapper's `tf.cond`; in Keras 3 the wrapper calls
 # `inner_optimizer.apply`, so the patch never runs. The fix is an accumulating optimizer
 # *inside* the wrapper. On the way we meet a hole in Keras 3's own `LossScaleOptimizer`:
-# it checks finiteness on replica 0 only.
+# it checks finiteness on replica 0 only, so the wrapper to use is distgrad's
+# `AllReplicasFiniteLossScaleOptimizer`, which checks every replica (§5).
 
 # %%
 import distgrad
@@ -51,6 +52,8 @@ show_environment(distgrad.environment_report(strategy))
 import importlib.util
 import inspect
 import pathlib
+import textwrap
+import warnings
 
 import keras
 import matplotlib.pyplot as plt
@@ -416,36 +419,60 @@ assert stock_legacy.loss_scales == returning.loss_scales  # skipped, the scale h
 
 # %%
 for replicas_hit in [(1,), (0,), tuple(range(R))]:
-    run = first_replica.reproduce(strategy, overflow_replicas=replicas_hit, fixed=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = first_replica.reproduce(strategy, overflow_replicas=replicas_hit, fixed=True)
     print(f"fixed wrapper, overflow on {replicas_hit}: loss scale ÷ S",
           [s / S for s in run.loss_scales])
+    told = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
+    assert len(told) == 1 and told[0].startswith(  # and it says so, once
+        "AllReplicasFiniteLossScaleOptimizer: 1 step(s) skipped in this fit")
     assert run.weights_finite and run.loss_scales == (S, S / 2, S / 2, S / 2)
     assert run.iterations == (1, 1, 2, 3)  # skipped, exactly as the stock one skips replica 0's
     check_close(run.final_weights, stock_runs[(0,)].final_weights, rtol=0, atol=0)
 
 # %% [markdown]
-# ## 5 · The fix: accumulate *inside* the wrapper
+# ## 5 · The fix: accumulate *inside* an all-replicas-finite wrapper
 #
 # `distgrad.optimizer.AccumulatingOptimizer` ([lesson 03 §5](03_cond_and_merge_call.ipynb))
-# under `mixed_float16`: pass it to `model.compile` and Keras wraps it,
-# `LossScaleOptimizer(AccumulatingOptimizer(SGD))`. That order is the fix:
-#
-# * **unscale, then accumulate**: the wrapper divides each micro-batch by the scale *it*
-#   was computed with before our `apply` adds it — the scale may change inside a cycle;
-# * **float32 accumulators** (asserted below);
-# * **a micro-batch the wrapper sees overflow is skipped before accumulation**: not added,
-#   not counted in `total_micro_steps`, loss scale halved, `iterations` unchanged; the cycle
-#   waits for k good micro-batches;
-# * **real accumulation**: the inner optimizer steps once per cycle, so `iterations`
-#   counts updates.
+# under `mixed_float16`. Handed to `model.compile` alone, Keras would wrap it in its own
+# `LossScaleOptimizer` — the wrapper of §4, blind to replica 1. `AccumulatingOptimizer`
+# refuses that wrapper at the first step, on every replica count, and names the fix:
 
 # %%
 mb = 4 * R
 x, y = mixed.overflow_data(8, mb, None, R)
-auto = mixed.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)
-print(f"{auto.wrapper}({auto.wrapped}), accumulators:", ", ".join(auto.accumulator_dtypes))
-assert (auto.wrapper, auto.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
-assert auto.accumulator_dtypes == ("float32",) * 4 and all(auto.weights_finite)
+try:
+    mixed.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)  # compile wraps it
+    raise AssertionError("Keras' own wrapper was accepted")
+except ValueError as err:
+    refusal = str(err)
+print(refusal[refusal.index("AccumulatingOptimizer is inside"):])
+assert "from replica 0 only" in refusal
+assert "AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(" in refusal
+
+# %% [markdown]
+# The fix is the line the error names:
+# `model.compile(optimizer=AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(SGD, 2)))`.
+# Keras adds no wrapper of its own around one that already is a `LossScaleOptimizer`.
+# That order is what makes it right:
+#
+# * **unscale, then accumulate**: the wrapper divides each micro-batch by the scale *it*
+#   was computed with before our `apply` adds it — the scale may change inside a cycle;
+# * **float32 accumulators** (asserted below);
+# * **a micro-batch that overflowed on any replica is skipped before accumulation**: not
+#   added, not counted in `total_micro_steps`, loss scale halved, `iterations`
+#   unchanged; the cycle waits for k good micro-batches;
+# * **real accumulation**: the inner optimizer steps once per cycle, so `iterations`
+#   counts updates.
+
+# %%
+fixed_default = mixed.mixed_precision_fit(strategy, x, y, mb, 2)  # the wrapper given to compile
+print(f"{fixed_default.wrapper}({fixed_default.wrapped}), accumulators:",
+      ", ".join(fixed_default.accumulator_dtypes))
+assert fixed_default.wrapper == "AllReplicasFiniteLossScaleOptimizer"
+assert fixed_default.wrapped == "AccumulatingOptimizer"
+assert fixed_default.accumulator_dtypes == ("float32",) * 4 and all(fixed_default.weights_finite)
 rows = []
 for name, make in OPTIMIZERS.items():  # SGD(0.1), with momentum, Adam(0.01), AdamW
     accumulated = mixed.mixed_precision_fit(strategy, x, y, mb, 2, make)
@@ -477,14 +504,11 @@ print("the question's patch on the wrapper vs big batch:",
 # With a scale that changes inside every cycle, the question's wrapper patch (scaled sum ÷
 # latest scale) is wrong even without an overflow; unscaling per micro-batch is not.
 #
-# ### Non-finite micro-batches: which wrapper skips what
+# ### Non-finite micro-batches: what the wrapper skips, and what it tells you
 #
 # Sixteen micro-batches, k = 2, the scale starting low and doubling after every 4 good
 # micro-batches, and two outliers: at micro-batch 8 on **every** replica, at micro-batch
-# 12 on **replica 1 only** — once under Keras' wrapper, once under
-# `AllReplicasFiniteLossScaleOptimizer`. Under a loss-scale wrapper, `AccumulatingOptimizer`
-# drops a cycle whose accumulators are non-finite on any replica and counts it in
-# `skipped_updates`, whatever its `non_finite` policy (its default is asserted here).
+# 12 on **replica 1 only** — the one Keras' own wrapper would not see (§4).
 
 # %%
 def skipped(record):
@@ -497,66 +521,47 @@ ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER, START = 8, 12, 2.0**8
 x16, y16 = mixed.overflow_data(16, mb, ALL_REPLICAS_OUTLIER, R)
 _, y_one = mixed.overflow_data(16, mb, ONE_REPLICA_OUTLIER, R, overflow_replicas=(1,))
 y16 = np.maximum(y16, y_one)  # both outliers (OUTLIER_TARGET is the largest target)
-trajectories = {
-    name: mixed.mixed_precision_fit(strategy, x16, y16, mb, 2, initial_scale=START,
-                                    dynamic_growth_steps=4, wrapper=wrapper)
-    for name, wrapper in (("Keras LossScaleOptimizer", None),
-                          ("AllReplicasFiniteLossScaleOptimizer",
-                           AllReplicasFiniteLossScaleOptimizer))}
-stock_run = trajectories["Keras LossScaleOptimizer"]
-safe = trajectories["AllReplicasFiniteLossScaleOptimizer"]
-# the micro-batch that ends the cycle holding replica 1's overflow, under Keras' wrapper
-closes = next(u for u in range(ONE_REPLICA_OUTLIER - 1, 16)
-              if stock_run.total_micro_steps[u] % 2 == 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    safe = mixed.mixed_precision_fit(strategy, x16, y16, mb, 2, initial_scale=START,
+                                     dynamic_growth_steps=4)
 fig, (ax_scale, ax_updates) = plt.subplots(1, 2, figsize=(11, 3.6))
 steps = np.arange(1, 17)
-for (name, record), style in zip(trajectories.items(), ({"color": "C0", "lw": 5, "alpha": 0.35},
-                                                        {"color": "C1", "lw": 1.5})):
-    ax_scale.step(steps, np.log2(record.loss_scales), where="post", label=name, **style)
-    ax_updates.step(steps, record.iterations, where="post", label=f"updates, {name}", **style)
-    ax_updates.step(steps, record.total_micro_steps, where="post", linestyle="--",
-                    label=f"micro-steps, {name}", **style)
-ax_updates.annotate("cycle dropped", (closes + 1, stock_run.iterations[closes]),
-                    (closes - 3, stock_run.iterations[closes] + 4), fontsize=8,
-                    arrowprops={"arrowstyle": "->"})
+ax_scale.step(steps, np.log2(safe.loss_scales), where="post", color="C1")
+ax_updates.step(steps, safe.iterations, where="post", color="C1", label="updates")
+ax_updates.step(steps, safe.total_micro_steps, where="post", color="C1", linestyle="--",
+                label="micro-batches accumulated")
 for ax in (ax_scale, ax_updates):
     ax.axvline(ALL_REPLICAS_OUTLIER, color="gray", linestyle=":", label="outlier, all replicas")
     ax.axvline(ONE_REPLICA_OUTLIER, color="red", linestyle=":", label="outlier, replica 1")
     ax.set_xlabel("micro-batch")
 ax_scale.set_ylabel("log2(loss scale)")
 ax_updates.set_ylabel("count")
-ax_scale.legend(fontsize=7)
-ax_updates.legend(fontsize=6)
+ax_scale.legend(fontsize=8)
+ax_updates.legend(fontsize=8)
 fig.tight_layout()
-show_table(["wrapper", "skipped micro-batches", "dropped cycles", "updates",
-            "total_micro_steps"], [
-    (name, skipped(r), r.skipped_updates, ", ".join(map(str, r.iterations)),
-     ", ".join(map(str, r.total_micro_steps))) for name, r in trajectories.items()])
+show_table(["skipped micro-batches", "dropped cycles", "updates", "total_micro_steps"], [
+    (skipped(safe), safe.skipped_updates, ", ".join(map(str, safe.iterations)),
+     ", ".join(map(str, safe.total_micro_steps)))])
+skip_warnings = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
+print("UserWarning:", textwrap.fill(skip_warnings[0], 88, subsequent_indent="  "))
 
 # %%
-for record in (stock_run, safe):
-    assert all(record.weights_finite)
-    scales = (START,) + record.loss_scales
-    halved = [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2]
-    assert halved == skipped(record)  # every halving is a skipped micro-batch
-assert skipped(stock_run) == [ALL_REPLICAS_OUTLIER]  # replica 1's overflow is not seen...
-assert skipped(safe) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
+assert all(safe.weights_finite)
+scales = (START,) + safe.loss_scales
+halved = [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2]
+assert halved == skipped(safe) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
 assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2  # every cycle applied
-assert (safe.skipped_updates, stock_run.skipped_updates) == (0, 1)
-assert stock_run.iterations[closes] == stock_run.iterations[closes - 1]  # ...its cycle dropped
-assert stock_run.iterations[-1] == stock_run.total_micro_steps[-1] // 2 - 1
+assert safe.skipped_updates == 0  # no cycle dropped
+assert len(skip_warnings) == 1 and "2 micro-batch(es) skipped in this fit" in skip_warnings[0]
 
 # %% [markdown]
 # Read the plot: every halving of the scale is a skipped micro-batch (`total_micro_steps`
-# does not move) and a pause in the updates. The outlier on every replica is skipped by
-# both wrappers. The one on replica 1 only is invisible to Keras' wrapper (section 4's
-# hole): it is accumulated, and it would be summed into the weights at the end of its
-# cycle. `AccumulatingOptimizer` does not trust the wrapper's check: when an update is
-# due, it checks **every replica's** accumulators in cross-replica context (no
-# collective); if any is non-finite, it **drops the cycle** — no update, accumulators
-# reset, `iterations` unchanged, `skipped_updates` + 1. The loss scale is not lowered,
-# because the wrapper never learned of the overflow. Under `AllReplicasFiniteLossScaleOptimizer` the bad micro-batch
-# itself is skipped, the scale halves, and no cycle is lost.
+# does not move) and a pause in the updates, and both outliers are skipped — replica 1's
+# too. No cycle is lost: the cycle waits for two good micro-batches. Nothing is silent
+# either: the wrapper counts what it skipped (`optimizer.skipped_steps`), `fit` ends
+# with one warning that says how many, and `distgrad.AccumulationCallback` puts the count
+# into `fit`'s logs as `skipped_micro_batches`.
 
 # %% [markdown]
 # ## 6 · The fix on the question's stack: tf-keras, `mixed_float16`, `model.fit`
@@ -707,13 +712,12 @@ assert "self._optimizer.iterations.assign_add(1, read_value=False)" in legacy_so
 #   Returning the result makes it trace and keeps overflows out of the accumulator, but it
 #   is still the mask trick: an inner-optimizer step on every micro-batch.
 # * Compose the other way round, with real accumulation:
-#   `LossScaleOptimizer(AccumulatingOptimizer(inner))`. Unscale per micro-batch,
-#   accumulate in float32, skip non-finite micro-batches before accumulation, one update
-#   per cycle.
+#   `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner, k))`, passed to
+#   `model.compile` yourself. Unscale per micro-batch, accumulate in float32, skip a
+#   micro-batch that overflowed on any replica before accumulation, one update per cycle.
 # * Keras 3's `LossScaleOptimizer` checks finiteness on **replica 0 only**; the comment
-#   assumes all-reduced gradients that Keras 3 no longer has. Check all replicas
-#   (`AllReplicasFiniteLossScaleOptimizer`), or at least before the update
-#   (`AccumulatingOptimizer` drops a poisoned cycle).
+#   assumes all-reduced gradients that Keras 3 no longer has. `AccumulatingOptimizer`
+#   refuses it (the one `compile` adds by itself) at the first step, naming the fix.
 # * On the question's own stack (tf-keras, `mixed_float16`, `model.fit`, its `train_step`):
 #   `LossScaleOptimizer(distgrad.tf_keras.AccumulatingOptimizer(inner, n))` — the order
 #   `model.compile` builds by itself. An overflow on one replica skips that micro-batch on
@@ -728,8 +732,8 @@ assert "self._optimizer.iterations.assign_add(1, read_value=False)" in legacy_so
 #    `iterations`: `lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None,
 #    initial_scale=2.0**20, install=install_question_patch).iterations`.
 # 3. In the trajectory cell put the second outlier on replica 0 instead
-#    (`overflow_replicas=(0,)` in `y_one`). Predict `skipped(...)` for both wrappers and
-#    whether a cycle is dropped, then rerun that cell and the next: which assertions fail?
+#    (`overflow_replicas=(0,)` in `y_one`). Predict `skipped(safe)` and the warning, then
+#    rerun that cell and the next: does any assertion fail?
 # 4. In §6, move the outlier to replica 0 (`overflow_replicas=(0,)` in `bad_x, bad_y`)
 #    and predict the table; then rerun that cell and the next. Does any assertion fail?
 #

@@ -492,20 +492,26 @@ assert float(overflow.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
 # %% [markdown]
 # One caveat belongs to Keras, not to accumulation ([lesson 04](04_loss_scale_optimizer_pitfall.ipynb)):
 # under `MirroredStrategy` Keras 3's `LossScaleOptimizer` decides "all gradients finite?"
-# from replica 0's *local* gradients, so an overflow on another replica only is applied
-# to the weights, with plain `fit` and with micro-batches alike (`tests/test_train_step.py`
-# pins both). Lesson 04's `AllReplicasFiniteLossScaleOptimizer` fixes it and drops into
-# the `train_step` above unchanged: the overflow on the replicas after replica 0 is
-# skipped, and the step still has one all-reduce.
+# from replica 0's *local* gradients, so an overflow on another replica only would be
+# applied to the weights. Lesson 04's `AllReplicasFiniteLossScaleOptimizer` fixes it and
+# drops into the `train_step` above unchanged: the overflow on the replicas after
+# replica 0 is skipped, the step still has one all-reduce, and `fit` ends with a warning
+# that counts the skip. (The packaged `MicroBatching` is right under Keras' own wrapper
+# too: it hands it a NaN gradient on every replica when any replica overflowed;
+# `tests/test_train_step.py` and `tests/test_user_paths.py` run it.)
 
 # %%
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
 targets = y[:GLOBAL_BATCH].copy()
 targets[GLOBAL_BATCH // R:] = 6e4  # only the replicas after replica 0 overflow
-guarded, _ = fit(strategy, lambda: AllReplicasFiniteLossScaleOptimizer(
-    keras.optimizers.SGD(0.1), initial_scale=2.0 ** 10), 2, model_factory=mixed_model,
-    data=(x[:GLOBAL_BATCH], targets), epochs=1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    guarded, _ = fit(strategy, lambda: AllReplicasFiniteLossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=2.0 ** 10), 2, model_factory=mixed_model,
+        data=(x[:GLOBAL_BATCH], targets), epochs=1)
+told = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
+assert len(told) == 1 and "1 step(s) skipped in this fit" in told[0]
 guarded_counts = fit_step_placement(guarded, x[:GLOBAL_BATCH], targets, GLOBAL_BATCH)
 print("overflow on replicas 1..R-1: updates", int(guarded.optimizer.iterations.numpy()),
       "| loss scale", float(guarded.optimizer.dynamic_scale.numpy()),

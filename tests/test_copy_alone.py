@@ -68,14 +68,23 @@ def test_the_base_install_is_the_reference_package_only():
     assert {"course", "docs", "test", "legacy", "bench"} <= set(project["optional-dependencies"])
 
 
-def test_the_non_finite_policy_is_the_same_function_in_both_files_that_need_it():
-    # Copyable alone means written twice: the two copies must not drift apart.
-    def functions(name):
-        tree = ast.parse((SRC / name).read_text())
-        return {node.name: ast.dump(node) for node in tree.body
-                if isinstance(node, ast.FunctionDef)
-                and node.name in ("_apply_unless_non_finite", "_no_output")}
+SHARED = ("_apply_unless_non_finite", "_no_output", "_poisoned", "_clips_each_replica",
+          "_summed_on_replica_0", "LOSS_SCALE", "CLIP_OPTIONS", "NON_FINITE_POLICIES")
 
-    accumulator, train_step = functions("accumulator.py"), functions("train_step.py")
-    assert set(accumulator) == {"_apply_unless_non_finite", "_no_output"}
+
+def test_the_non_finite_policy_is_the_same_code_in_both_files_that_need_it():
+    # Copyable alone means written twice: the two copies must not drift apart.
+    def definitions(name):
+        tree = ast.parse((SRC / name).read_text())
+        found = {}
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name in SHARED:
+                found[node.name] = ast.dump(node)
+            elif (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                  and node.targets[0].id in SHARED):
+                found[node.targets[0].id] = ast.dump(node)
+        return found
+
+    accumulator, train_step = definitions("accumulator.py"), definitions("train_step.py")
+    assert set(accumulator) == set(SHARED)
     assert accumulator == train_step

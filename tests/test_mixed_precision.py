@@ -1,9 +1,10 @@
 """Lesson 04's fix: distgrad.AccumulatingOptimizer under mixed_float16 in model.fit.
 
-Keras wraps it: LossScaleOptimizer(AccumulatingOptimizer(inner)). The wrapper unscales
-each micro-batch with its own loss scale before it is accumulated (float32), skips
-micro-batches it sees overflow, and the accumulating optimizer drops a cycle whose
-accumulators are non-finite on any replica (the wrapper only checks replica 0).
+AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner)): the wrapper unscales
+each micro-batch with its own loss scale before it is accumulated (float32), and skips a
+micro-batch that overflowed on any replica, halving the scale. Keras' own wrapper (the
+one compile adds) checks replica 0 only: AccumulatingOptimizer refuses it at the first
+step, naming the fix.
 """
 
 import functools
@@ -36,13 +37,19 @@ def data(strategy, micro_batches=8, overflow_step=None, overflow_replicas=None):
     return x, y, micro_batch
 
 
-# On R replicas lesson 04 §5 makes and asserts these two runs (once per suite).
-def test_compile_wraps_the_accumulating_optimizer_in_a_loss_scale_optimizer(strategy1):
+@pytest.mark.usefixtures("collect_garbage")
+@pytest.mark.parametrize("explicit", [False, True], ids=["compile_wraps", "explicit"])
+def test_keras_own_wrapper_is_refused_at_the_first_step_naming_the_fix(strategy1, explicit):
+    # One replica too: the same code must run on one device and on eight.
     x, y, micro_batch = data(strategy1)
-    record = mixed_precision_fit(strategy1, x, y, micro_batch, initial_scale=None)
-    assert (record.wrapper, record.wrapped) == ("LossScaleOptimizer", "AccumulatingOptimizer")
-    assert record.accumulator_dtypes == ("float32",) * 4
-    assert all(record.weights_finite)
+    with pytest.raises(ValueError, match=r"overflow check from replica 0 only") as err:
+        mixed_precision_fit(strategy1, x, y, micro_batch,
+                            initial_scale=None if not explicit else C,
+                            wrapper=keras.mixed_precision.LossScaleOptimizer if explicit else None)
+    assert "AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(" in str(err.value)
+
+
+# On R replicas lesson 04 §5 makes and asserts these runs (once per suite).
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -84,34 +91,17 @@ def test_a_micro_batch_the_wrapper_sees_overflow_is_skipped_not_counted(strategy
     assert all(record.weights_finite)
 
 
-def test_an_overflow_on_replica_1_only_never_reaches_the_weights(strategy2):
-    x, y, micro_batch = data(strategy2, overflow_step=3, overflow_replicas=(1,))
-    record = mixed_precision_fit(strategy2, x, y, micro_batch, 2)
-    assert all(record.weights_finite)
-    assert record.loss_scales == (C,) * 8  # the wrapper never saw it
-    assert record.total_micro_steps == tuple(range(1, 9))
-    assert record.iterations == (0, 1, 1, 1, 1, 2, 2, 3)  # cycle (3, 4) dropped
-
-
-def test_a_dropped_cycle_leaves_the_weights_of_the_last_good_update(strategy2):
-    x, y, micro_batch = data(strategy2, micro_batches=4, overflow_step=3,
-                             overflow_replicas=(1,))
-    dropped = mixed_precision_fit(strategy2, x, y, micro_batch, 2)
-    first_cycle = mixed_precision_fit(strategy2, x[:2 * micro_batch], y[:2 * micro_batch],
-                                          micro_batch, 2)
-    check_close(dropped.final_weights, first_cycle.final_weights, rtol=0, atol=0)
-    assert dropped.iterations[-1] == 1
-
-
 def test_all_replicas_finite_wrapper_skips_an_overflow_on_replica_1_before_accumulation(
         strategy2):
     x, y, micro_batch = data(strategy2, overflow_step=3, overflow_replicas=(1,))
-    record = mixed_precision_fit(strategy2, x, y, micro_batch, 2,
+    with pytest.warns(UserWarning, match=r"1 micro-batch\(es\) skipped in this fit.*now 512"):
+        record = mixed_precision_fit(strategy2, x, y, micro_batch, 2,
                                      wrapper=AllReplicasFiniteLossScaleOptimizer)
     assert all(record.weights_finite)
     assert record.loss_scales == (C, C) + (C / 2,) * 6
     assert record.total_micro_steps == (1, 2, 2, 3, 4, 5, 6, 7)
-    assert record.iterations == (0, 1, 1, 1, 2, 2, 3, 3)
+    assert record.iterations == (0, 1, 1, 1, 2, 2, 3, 3)  # no cycle lost
+    assert record.skipped_updates == 0
 
 
 def skipped_micro_batches(record):
@@ -140,19 +130,12 @@ def test_loss_scale_trajectory_halves_exactly_at_the_skipped_micro_batches(strat
     assert all(record.weights_finite)
 
 
-def test_keras_wrapper_misses_a_natural_overflow_on_replica_1_and_the_cycle_is_dropped(strategy2):
+def test_a_natural_overflow_on_replica_1_is_skipped_and_no_cycle_is_lost(strategy2):
     # On this data, at scale 2**15 after one growth and one halving, micro-batch 7
-    # overflows on replica 1 only (TF 2.21 / Keras 3.15.1, CPU): Keras' wrapper misses it,
-    # AccumulatingOptimizer's all-replica check at the cycle's end drops the cycle.
-    record = growing_run(strategy2)
+    # overflows on replica 1 only (TF 2.21 / Keras 3.15.1, CPU): skipped, scale halved.
     safe = growing_run(strategy2, wrapper=AllReplicasFiniteLossScaleOptimizer)
-    assert 7 in skipped_micro_batches(safe) and 7 not in skipped_micro_batches(record)
-    assert record.loss_scales[6] == record.loss_scales[5]  # not halved: not seen
-    assert record.total_micro_steps[6] == record.total_micro_steps[5] + 1  # counted, accumulated
-    assert all(record.weights_finite)
-
-
-def test_with_keras_wrapper_the_growing_run_stays_finite(strategy2):
-    record = growing_run(strategy2)
-    assert all(record.weights_finite)
-    assert record.iterations[-1] < record.total_micro_steps[-1] // 2  # a cycle was dropped
+    assert 7 in skipped_micro_batches(safe)
+    assert safe.loss_scales[6] == safe.loss_scales[5] / 2
+    assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2  # every cycle applied
+    assert safe.skipped_updates == 0
+    assert all(safe.weights_finite)

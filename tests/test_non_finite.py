@@ -18,6 +18,7 @@ from distgrad.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree,
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.mixed import CONTROLLED_INITIAL_SCALE, mixed_precision_policy, overflow_data
 from distgrad.lab.recipes import fit_run
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.train_step import MicroBatching, with_micro_batches
 
@@ -91,27 +92,32 @@ def test_skipped_updates_is_saved_by_a_checkpoint(tmp_path, strategy2):
     assert int(restored.optimizer.skipped_updates.numpy()) == 1
 
 
-def test_the_callback_puts_skipped_updates_in_fit_logs_and_warns(strategy2):
+def test_the_callback_puts_skipped_updates_in_fit_logs_and_the_optimizer_warns(strategy2):
     x, y = nan_data(strategy2)
     model = compiled(strategy2, lambda: AccumulatingOptimizer(OPTIMIZERS["sgd"](), K,
                                                               non_finite="skip"))
-    with pytest.warns(UserWarning, match=r"epoch 2: 1 update\(s\) skipped.*\(2 in all\)"):
+    with pytest.warns(UserWarning, match=r"2 update\(s\) skipped in this fit \(2 in all"):
         history = model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
                             callbacks=[AccumulationCallback()])
     assert history.history["skipped_updates"] == [1, 2]
+    with pytest.warns(UserWarning, match=r"1 update\(s\) skipped in this fit \(3 in all"):
+        model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)  # no callback
 
 
-def test_under_loss_scaling_a_cycle_overflowing_on_replica_1_is_skipped_not_raised(strategy2):
-    # Keras' LossScaleOptimizer checks replica 0 only: the overflow reaches the
-    # accumulators, and the default "raise" leaves it to the loss scale (skip and count).
+def test_under_loss_scaling_an_overflow_on_replica_1_skips_its_micro_batch_only(strategy2):
     x, y = overflow_data(4, 8, overflow_step=3, replicas=2, overflow_replicas=(1,))
     with mixed_precision_policy("mixed_float16"):
-        model = compiled(strategy2, lambda: keras.mixed_precision.LossScaleOptimizer(
+        model = compiled(strategy2, lambda: AllReplicasFiniteLossScaleOptimizer(
             AccumulatingOptimizer(OPTIMIZERS["sgd"](), K),
             initial_scale=CONTROLLED_INITIAL_SCALE))
-        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        with pytest.warns(UserWarning, match=r"1 micro-batch\(es\) skipped in this fit"):
+            history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+                                callbacks=[AccumulationCallback()])
     inner = model.optimizer.inner_optimizer
-    assert (int(inner.iterations.numpy()), int(inner.skipped_updates.numpy())) == (1, 1)
+    assert (int(inner.iterations.numpy()), int(inner.skipped_updates.numpy())) == (1, 0)
+    assert int(inner.micro_steps.numpy()) == 1  # 3 good micro-batches: one cycle + one
+    assert history.history["skipped_micro_batches"] == [1]
+    assert float(model.optimizer.dynamic_scale.numpy()) == CONTROLLED_INITIAL_SCALE / 2
     assert all(np.all(np.isfinite(w)) for w in weights_of(model))
 
 
@@ -138,7 +144,7 @@ def test_gradient_accumulator_raises_by_default_and_changes_nothing(strategy):
 def test_gradient_accumulator_skip_resets_counts_and_warns(strategy):
     trainer = accumulator_trainer(strategy, "skip")
     initial = weights_of(trainer.model)
-    with pytest.warns(UserWarning, match=r"update skipped.*\(1 skipped so far\)"):
+    with pytest.warns(UserWarning, match=r"update skipped.*\(1 skipped so far"):
         trainer.update()
     check_close(weights_of(trainer.model), initial, rtol=0, atol=0)
     assert int(trainer.accumulator.skipped_updates.numpy()) == 1

@@ -19,6 +19,7 @@ from distgrad.lab.compare import (
 from distgrad.lab.data import regression_data, tiny_model
 from distgrad.lab.graph import count_collectives, fit_step_placement
 from distgrad.lab.recipes import custom_loop_run, fit_run, make_replica_step
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 from distgrad.optimizer import AccumulatingOptimizer
 
 STEPS, MICRO_BATCH, UPDATES = 4, 4, 3
@@ -268,7 +269,7 @@ def test_mixed_float16_compile_wraps_it_in_a_loss_scale_optimizer(strategy2):
 def test_loss_scale_optimizer_around_it_counts_updates_in_fit_on_two_replicas(strategy2):
     # A small initial scale keeps float16 gradients finite, so every micro-batch
     # reaches the accumulators. (Non-finite handling is lesson 04's subject.)
-    model = _mixed_float16_model(strategy2, lambda: keras.optimizers.LossScaleOptimizer(
+    model = _mixed_float16_model(strategy2, lambda: AllReplicasFiniteLossScaleOptimizer(
         AccumulatingOptimizer(OPTIMIZERS["adam"](), STEPS), initial_scale=1.0))
     x, y = data()
     model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)

@@ -8,7 +8,9 @@ report, so it runs as `__main__`, the way its reader will run it.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import tempfile
 
 
 def run_script(path: str, names: list[str] | None = None, keras_module: str = "keras") -> dict:
@@ -21,6 +23,7 @@ def run_script(path: str, names: list[str] | None = None, keras_module: str = "k
     """
     if keras_module != "keras":
         sys.modules["keras"] = importlib.import_module(keras_module)
+    os.chdir(tempfile.mkdtemp())  # what a script writes (a saved model) stays out of the repo
     with open(path, encoding="utf-8") as f:
         code = compile(f.read(), path, "exec")
     namespace = {"__name__": "__main__", "__file__": path}

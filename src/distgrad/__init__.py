@@ -17,12 +17,20 @@ the standard library (copy one into your project and it works alone):
   only): `AccumulatingOptimizer` for tf-keras (Keras 2), imported where
   `TF_USE_LEGACY_KERAS=1` was set before TensorFlow.
 
-Names are imported lazily, so `import distgrad` loads neither TensorFlow nor the lab.
+`import distgrad` is enough to load a saved model (`keras.models.load_model`): it imports
+TensorFlow and Keras and the modules of every class `model.save` can hold
+(`AccumulatingOptimizer`, `AllReplicasFiniteLossScaleOptimizer`, `MicroBatchingModel`,
+`MultiWorkerFitModel`), which registers them with Keras. In a process that set
+`TF_USE_LEGACY_KERAS=1` before importing TensorFlow (tf-keras, Keras 2), it registers
+`distgrad.tf_keras.AccumulatingOptimizer` with tf-keras instead, and leaves Keras 3 alone.
+The other names, the lab and the pitfalls are imported when first used.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 
 __version__ = "0.2.0"
 
@@ -44,6 +52,23 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+# The modules whose classes `model.save` can write: Keras finds a class at load time only
+# if its module was imported (it imports only Keras' own modules by itself).
+SAVEABLE_MODULES = ("distgrad.optimizer", "distgrad.mixed_precision", "distgrad.train_step",
+                    "distgrad.multi_worker")
+LEGACY_SAVEABLE_MODULES = ("distgrad.tf_keras.optimizer",)
+
+
+def _uses_legacy_keras() -> bool:
+    """What TensorFlow decides at import (tensorflow/python/util/lazy_loader.py): tf.keras
+    is tf-keras if TF_USE_LEGACY_KERAS says so and tf-keras is installed."""
+    return (os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+            and importlib.util.find_spec("tf_keras") is not None)
+
+
+for _module in LEGACY_SAVEABLE_MODULES if _uses_legacy_keras() else SAVEABLE_MODULES:
+    importlib.import_module(_module)
 
 
 def __getattr__(name: str):

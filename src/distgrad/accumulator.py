@@ -33,6 +33,39 @@ if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m 
                       "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
 
 NON_FINITE_POLICIES = ("raise", "skip")
+# Not a user's choice: under a LossScaleOptimizer, it skips and halves its scale.
+LOSS_SCALE = "loss_scale"
+
+
+CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
+
+
+def _clips_each_replica(optimizer) -> bool:
+    """True for a Keras 3 optimizer (or one inside a LossScaleOptimizer) with clipping:
+    Keras clips each replica's part *before* its SUM all-reduce (distgrad lesson 01), not
+    the sum one device would clip. distgrad's AccumulatingOptimizer clips the sum itself."""
+    if getattr(optimizer, "non_finite", None) is not None:
+        return False
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return (isinstance(inner, keras.optimizers.Optimizer)
+            and any(getattr(inner, option, None) for option in CLIP_OPTIONS))
+
+
+def _summed_on_replica_0(grads):
+    """Replica context: the SUM over replicas of `grads` on replica 0, zeros on the others
+    (one all-reduce). The optimizer's per-replica clipping then clips the whole gradient,
+    and its own SUM all-reduce gives every replica that clipped sum."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                [tf.convert_to_tensor(grads[i]) for i in present])
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    grads = list(grads)
+    for i, total in zip(present, summed):
+        grads[i] = tf.where(first, total, tf.zeros_like(total))
+    return grads
 
 
 class _Untracked:
@@ -60,6 +93,17 @@ def _no_output(fn, *args, **kwargs) -> None:  # a tf.cond branch: both return no
     fn(*args, **kwargs)
 
 
+def _poisoned(grads, finite):
+    """`grads` with the first gradient all NaN unless `finite` (a scalar bool)."""
+    grads = list(grads)
+    i = next(i for i, g in enumerate(grads) if g is not None)
+    values = grads[i].values if isinstance(grads[i], tf.IndexedSlices) else grads[i]
+    values = tf.where(finite, values, tf.constant(float("nan"), values.dtype))
+    grads[i] = (tf.IndexedSlices(values, grads[i].indices, grads[i].dense_shape)
+                if isinstance(grads[i], tf.IndexedSlices) else values)
+    return grads
+
+
 def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip) -> None:
     """Replica context: `apply_fn(grads)` unless some replica's `grads` hold NaN/Inf.
 
@@ -67,7 +111,10 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
     flag, or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
     step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + the strings
     and tensors `describe()` returns) before anything changes. `"skip"`: `on_skip()`
-    runs instead, once (in cross-replica context when there is one).
+    runs instead, once (in cross-replica context when there is one). `LOSS_SCALE`
+    (`apply_fn` calls a LossScaleOptimizer): `on_skip()` runs as for "skip", and
+    `apply_fn` is called with the first gradient NaN on *every* replica, so that the
+    optimizer skips the step and halves its scale: Keras' own reads replica 0 only.
 
     Raises:
         ValueError: (trace time) "raise" in an XLA-compiled step (XLA compiles assertions
@@ -75,13 +122,31 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
             cannot update a Keras optimizer inside a `tf.cond` (its ONLY_FIRST_REPLICA
             `iterations` needs merge_call).
     """
-    if non_finite not in NON_FINITE_POLICIES:
+    if non_finite not in (*NON_FINITE_POLICIES, LOSS_SCALE):
         raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
     finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
                                      for g in grads if g is not None]))
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync
     no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
+    if non_finite == LOSS_SCALE:
+        if replicas > 1 and no_merge_call:
+            raise ValueError(
+                "A LossScaleOptimizer cannot update on several replicas without merge_call "
+                "(TensorFlow's path for XLA-compiled steps on GPUs): its update is a "
+                "replica-context tf.cond, in which TensorFlow cannot update the inner "
+                "optimizer's `iterations`. Compile with jit_compile=False.")
+        if no_merge_call:  # one replica (no strategy, or XLA): its flag is all there is
+            tf.cond(finite, lambda: None, lambda: _no_output(on_skip))
+        else:  # every replica's flag, read where all are visible
+            def every_replica(distribution, flag):
+                everywhere = tf.reduce_all(tf.stack(distribution.experimental_local_results(flag)))
+                tf.cond(everywhere, lambda: None, lambda: _no_output(on_skip))
+                return everywhere
+
+            finite = context.merge_call(every_replica, args=(finite,))
+        apply_fn(_poisoned(grads, finite))
+        return
     if non_finite == "raise":
         if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             raise ValueError(
@@ -130,6 +195,12 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
     context.merge_call(cross_replica, args=(finite, grads))
 
 
+def _is_loss_scale_optimizer(optimizer) -> bool:
+    """Keras 3's LossScaleOptimizer, or tf-keras' (`tf.keras` in a tf-keras process)."""
+    return isinstance(optimizer, (keras.optimizers.LossScaleOptimizer,
+                                  tf.keras.mixed_precision.LossScaleOptimizer))
+
+
 class GradientAccumulator(tf.Module):
     """Replica-local gradient buffers for a list of variables, plus a micro-step counter.
 
@@ -147,8 +218,13 @@ class GradientAccumulator(tf.Module):
             anything changes (the buffers keep the sums; `reset()` zeroes them). "skip":
             no update, buffers zeroed, counted in `skipped_updates` (and `make_apply_step`
             warns). An optimizer that handles non-finite gradients itself decides instead:
-            a `LossScaleOptimizer` (overflows are its business: it halves its scale) or
-            one with a `non_finite` policy (distgrad's `AccumulatingOptimizer`).
+            a `LossScaleOptimizer` (Keras 3's or tf-keras') skips the update and halves
+            its scale, and it sees an overflow on *any* replica: Keras 3's own reads
+            replica 0 only, so the accumulator gives every replica a NaN gradient then;
+            the skip is counted in `skipped_updates` (and `make_apply_step` warns). Like
+            one big-batch step under a loss scale, an overflow in any micro-batch skips
+            the whole update. An optimizer with a `non_finite` policy of its own
+            (distgrad's `AccumulatingOptimizer`) decides alone.
 
     State (tracked by `tf.train.Checkpoint(accumulator=...)`):
         accumulated: one `tf.Variable(synchronization=ON_READ, aggregation=SUM)` per
@@ -164,7 +240,8 @@ class GradientAccumulator(tf.Module):
             locally (no merge_call); a checkpoint saves replica 0's count.
         micro_steps: (property) micro-batches accumulated in the current cycle, read
             eagerly; `reset` and every apply set it to 0.
-        skipped_updates: mirrored int64, updates skipped as non-finite ("skip").
+        skipped_updates: mirrored int64, updates skipped as non-finite ("skip", or
+            under a `LossScaleOptimizer`).
 
     Epoch ends: the loop decides. An incomplete cycle stays in the buffers until the next
     apply; `reset()` discards it, and an apply applies the sums as they are (with the loss
@@ -194,6 +271,11 @@ class GradientAccumulator(tf.Module):
 
     def __init__(self, variables, name: str = "gradient_accumulator",
                  non_finite: str = "raise"):
+        if not isinstance(name, str):
+            raise TypeError(
+                f"GradientAccumulator(variables, name=...) takes no accumulation count (got "
+                f"{name!r} as `name`): your loop decides when to apply. Call `add(grads)` "
+                "every micro-batch and the apply step every k-th (see make_apply_step).")
         super().__init__(name=name)
         variables = list(variables)
         if not variables:
@@ -346,14 +428,23 @@ class GradientAccumulator(tf.Module):
         # `iterations` increment, the reset) on the check: an Assert alone would fail
         # the call but let independent stateful ops run.
         with tf.control_dependencies([check]):
-            if (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-                    or getattr(optimizer, "non_finite", None) is not None):
-                apply_and_reset(self.gradients())  # the optimizer's own policy decides
+            grads = self.gradients()
+            if _clips_each_replica(optimizer):  # one more all-reduce: the sum is clipped
+                grads = _summed_on_replica_0(grads)
+            if _is_loss_scale_optimizer(optimizer):
+                # It skips and halves its scale itself; poisoned gradients make it see an
+                # overflow on any replica, and `skipped_updates` counts it.
+                policy, on_skip = LOSS_SCALE, lambda: self.skipped_updates.assign_add(1)
+            elif getattr(optimizer, "non_finite", None) is not None:
+                apply_and_reset(grads)  # its own policy (AccumulatingOptimizer)
                 return
-            _apply_unless_non_finite(apply_and_reset, self.gradients(), self.non_finite, lambda: [
+            else:
+                policy, on_skip = self.non_finite, skip
+            _apply_unless_non_finite(apply_and_reset, grads, policy, lambda: [
                 "GradientAccumulator: NaN/Inf accumulated gradients on some replica at update",
                 optimizer.iterations + 1,
-                "(optimizer.iterations + 1); nothing applied, the buffers keep their sums."], skip)
+                "(optimizer.iterations + 1); nothing applied, the buffers keep their sums."],
+                on_skip)
 
     def make_apply_step(self, optimizer):
         """A Python callable that applies once per call: `apply_step()`.
@@ -393,8 +484,11 @@ class GradientAccumulator(tf.Module):
             skipped = int(self.skipped_updates.numpy())
             apply_function()
             if int(self.skipped_updates.numpy()) > skipped:
+                halved = (" (the LossScaleOptimizer halved its scale)"
+                          if _is_loss_scale_optimizer(optimizer) else "")
                 warnings.warn(f"GradientAccumulator: update skipped, its gradients were NaN/Inf "
-                              f"on some replica ({skipped + 1} skipped so far).", stacklevel=2)
+                              f"on some replica{halved} ({skipped + 1} skipped so far, "
+                              "`accumulator.skipped_updates`).", stacklevel=2)
 
         apply_step.function = apply_function
         return apply_step

@@ -15,8 +15,6 @@ loop, call `optimizer.flush()` or `optimizer.discard()` yourself after the epoch
 
 from __future__ import annotations
 
-import warnings
-
 import keras
 
 INCOMPLETE_CYCLE_ACTIONS = ("carry", "flush", "discard")
@@ -45,8 +43,11 @@ class AccumulationCallback(keras.callbacks.Callback):
             mean of its micro-batches) or "discard" (`optimizer.discard()`: drop it).
 
     Logs: every epoch's logs (hence `History`) get `skipped_updates`, the optimizer's
-    count of cycles dropped as non-finite, read after the action; a `UserWarning` names
-    the epoch in which it grew.
+    count of cycles dropped as non-finite, read after the action; and, when the model's
+    optimizer is a loss-scale wrapper that counts its skipped steps
+    (`AllReplicasFiniteLossScaleOptimizer.skipped_steps`), `skipped_micro_batches`: the
+    micro-batches it skipped as overflowing. (The optimizers themselves warn at the end
+    of every `fit` that skipped something, with or without this callback.)
 
     Order: Keras validates before `on_epoch_end`, so an epoch's `val_` metrics see the
     weights before a flush. List this callback before a `ModelCheckpoint` that should
@@ -63,7 +64,6 @@ class AccumulationCallback(keras.callbacks.Callback):
             raise ValueError(f"incomplete_cycle must be one of {INCOMPLETE_CYCLE_ACTIONS}, "
                              f"got {incomplete_cycle!r}.")
         self.incomplete_cycle = incomplete_cycle
-        self._skipped = 0
 
     def _optimizer(self):
         found = accumulating_optimizer_of(self.model.optimizer)
@@ -75,7 +75,7 @@ class AccumulationCallback(keras.callbacks.Callback):
         return found
 
     def on_train_begin(self, logs=None):
-        self._skipped = _count(self._optimizer().skipped_updates)
+        self._optimizer()  # fail now, not after the first epoch
 
     def on_epoch_end(self, epoch, logs=None):
         optimizer = self._optimizer()
@@ -83,10 +83,9 @@ class AccumulationCallback(keras.callbacks.Callback):
             optimizer.flush()
         elif self.incomplete_cycle == "discard":
             optimizer.discard()
-        skipped = _count(optimizer.skipped_updates)
-        if logs is not None:
-            logs["skipped_updates"] = skipped
-        if skipped > self._skipped:
-            warnings.warn(f"epoch {epoch + 1}: {skipped - self._skipped} update(s) skipped, "
-                          f"their gradients were NaN/Inf ({skipped} in all).", stacklevel=2)
-        self._skipped = skipped
+        if logs is None:
+            return
+        logs["skipped_updates"] = _count(optimizer.skipped_updates)
+        wrapper = self.model.optimizer
+        if wrapper is not optimizer and hasattr(wrapper, "skipped_steps"):
+            logs["skipped_micro_batches"] = _count(getattr(wrapper, "skipped_steps", None))

@@ -14,6 +14,8 @@ This file imports only TensorFlow and Keras: copy it into a project and use
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -41,7 +43,14 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
     keyword arguments.
 
     State: that of `LossScaleOptimizer` (`dynamic_scale`, its step counter and the
-    inner optimizer's variables); nothing is added.
+    inner optimizer's variables), and `skipped_steps`: the steps it skipped because some
+    replica's gradients overflowed (under `AccumulatingOptimizer`, a step is a
+    micro-batch). `model.save` and `tf.train.Checkpoint` save it.
+
+    Nothing skipped is silent: at the end of every `fit` that skipped steps, a
+    `UserWarning` says how many and the scale they brought it to (a few are expected
+    while the scale comes down from its initial 2**15);
+    `distgrad.AccumulationCallback` puts the count into `fit`'s logs.
 
     Contract, per call of `apply` / `apply_gradients` in replica context:
         * every replica's gradients finite: they are unscaled and applied (the inner
@@ -55,6 +64,53 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
         ValueError: `apply` called in cross-replica context; (first step) 2+ replicas
             without merge_call (XLA on GPUs), where no loss-scale update can run.
     """
+
+    def __init__(self, inner_optimizer, *args, **kwargs):
+        super().__init__(inner_optimizer, *args, **kwargs)
+        self._skips_reported = None  # `skipped_steps` when the step was traced / last fit
+        # distgrad's AccumulatingOptimizer refuses a wrapper that does not say this.
+        if hasattr(inner_optimizer, "overflow_checked_on_every_replica"):
+            inner_optimizer.overflow_checked_on_every_replica = True
+
+    def build(self, var_list):
+        super().build(var_list)
+        self.skipped_steps = self.add_variable(
+            shape=(), dtype="int", initializer="zeros", aggregation="none",
+            name="skipped_steps")
+        if not tf.executing_eagerly():  # created in a trace (no strategy): 0, not readable yet
+            self._skips_reported = 0
+
+    def _stateful_handle_non_finite_grads(self):
+        super()._stateful_handle_non_finite_grads()  # the scale halves
+        self.skipped_steps.assign_add(1)
+
+    def finalize_variable_values(self, var_list):
+        """Keras calls it at the end of every `fit`: the inner optimizer's, then a
+        `UserWarning` if steps were skipped since the last call."""
+        super().finalize_variable_values(var_list)
+        if not self.built:
+            return
+        skipped, before = self._skipped_now(), self._skips_reported
+        if before is not None and skipped > before:
+            what = ("micro-batch(es)" if hasattr(self.inner_optimizer, "accumulation_steps")
+                    else "step(s)")
+            scale = float(keras.ops.convert_to_numpy(self.dynamic_scale))
+            warnings.warn(
+                f"{type(self).__name__}: {skipped - before} {what} skipped in this fit "
+                f"({skipped} in all, `optimizer.skipped_steps`): their gradients overflowed "
+                f"on some replica, and the loss scale was halved each time (now {scale:g}). "
+                "A few are expected while the scale comes down from its initial value.",
+                stacklevel=2)
+        self._skips_reported = skipped
+
+    def _skipped_now(self) -> int:
+        with tf.init_scope():  # eager, also while a step is being traced
+            return int(keras.ops.convert_to_numpy(self.skipped_steps))
+
+    def apply(self, grads, trainable_variables=None):
+        if self._skips_reported is None:  # the first trace: a restored count is not news
+            self._skips_reported = self._skipped_now() if self.built else 0
+        super().apply(grads, trainable_variables)
 
     # Keras computes `finite` inside `_tf_apply` (private), and no public hook sees
     # all replicas' flags, so the override is of that method: Keras' body, with the

@@ -8,9 +8,12 @@ This file imports only TensorFlow and Keras: copy it into a project and use it a
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
+from tensorflow.python.ops.control_flow_v2_func_graphs import CondBranchFuncGraph
 
 # The oldest `make matrix` passes (docs/versions.md); Keras < 3.10: no Variable(synchronization=).
 NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
@@ -56,6 +59,70 @@ def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) ->
                          "it without; AccumulatingOptimizer(accumulation_steps=) accumulates.")
 
 
+# Keras' own LossScaleOptimizer is refused (see `_check_loss_scale_wrapper`).
+STOCK_WRAPPER_MESSAGE = (
+    "AccumulatingOptimizer is inside Keras' own LossScaleOptimizer (model.compile adds it "
+    "under the 'mixed_float16' policy). That wrapper takes the overflow check from replica "
+    "0 only (keras/src/optimizers/loss_scale_optimizer.py, `_tf_apply`), so an overflow on "
+    "another replica would not lower the loss scale and would drop a whole accumulation "
+    "cycle; and it keeps no count of the micro-batches it skips. Wrap it yourself, and "
+    "compile adds nothing: model.compile(optimizer=distgrad.AllReplicasFiniteLossScaleOptimizer("
+    "distgrad.AccumulatingOptimizer(inner, accumulation_steps)), ...) "
+    "(distgrad/mixed_precision.py, copyable alone). It is refused on every replica count, so "
+    "that code that runs on one device also runs on eight.")
+# Steps Keras traces that cannot run on several replicas (see `_unrunnable_step`).
+STEPS_PER_EXECUTION_MESSAGE = (
+    "AccumulatingOptimizer: this step is traced inside a tf.function called from a tf.cond "
+    "branch, on {replicas} replicas: what Keras' model.compile(steps_per_execution > 1) "
+    "builds. TensorFlow does not feed such a function the call-time key of its gradient "
+    "all-reduce, so the first step would fail with \"InvalidArgumentError: You must feed "
+    "a value for placeholder tensor\" (stock Keras, plain Adam too: "
+    "https://github.com/keras-team/keras/issues/19246; the cause: distgrad's upstream page, "
+    "'steps-per-execution'). Compile with steps_per_execution=1: accumulation already cuts "
+    "the all-reduces per example k-fold.")
+JIT_COMPILE_MESSAGE = (
+    "AccumulatingOptimizer: this step is XLA-compiled (model.compile(jit_compile=True)) on "
+    "{replicas} replicas that are not all GPUs. Keras compiles the whole step, both "
+    "replicas included, into one XLA cluster, which cannot reach the other device's "
+    "variables (\"Trying to access resource ... located in device CPU:1 from device "
+    "CPU:0\"; stock Keras, plain Adam too: https://github.com/keras-team/keras/issues/19005). "
+    "Compile with jit_compile=False (what Keras' default, \"auto\", picks under "
+    "tf.distribute).")
+# distgrad 0.1's keywords, and the ones that replaced them.
+RENAMED_ARGUMENTS = {"optimizer": "inner_optimizer", "steps": "accumulation_steps"}
+
+
+def _called_from_a_cond_branch() -> bool:
+    """True if the function being traced (control-flow graphs climbed) is called, directly
+    or through its callers, from a `tf.cond` branch: cond_v2 does not pass on a collective's
+    call-time captures (while_v2 does), so its all-reduce key would never be fed."""
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+    graph = getattr(graph, "outer_graph", None)
+    while graph is not None:
+        if isinstance(graph, CondBranchFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def _unrunnable_step(replicas: int) -> str | None:
+    """The message for a step traced here that cannot run on `replicas` replicas, or None.
+
+    Both are stock Keras failures (plain Adam fails the same way), caught at trace time so
+    that the error names the cause. XLA on GPUs takes TensorFlow's no-merge-call path,
+    which the CPU tests cannot run: it is left alone."""
+    if replicas < 2:
+        return None
+    if _called_from_a_cond_branch():
+        return STEPS_PER_EXECUTION_MESSAGE.format(replicas=replicas)
+    if (GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+            and not tf.__internal__.distribute.strategy_supports_no_merge_call()):
+        return JIT_COMPILE_MESSAGE.format(replicas=replicas)
+    return None
+
+
 def _overwritten(variable) -> bool:  # float8 scales and amax histories: assigned, not stepped
     return getattr(variable, "overwrite_with_gradient", False)
 
@@ -80,10 +147,19 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             counted: overflows are the loss scale's business.
         name: optimizer name.
 
+    Mixed precision (`mixed_float16`): compile it inside distgrad's
+    `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner, k))`, which unscales
+    each micro-batch before it is accumulated and skips (and counts, in its
+    `skipped_steps`) a micro-batch that overflowed on *any* replica, halving the scale;
+    the cycle then waits for k finite micro-batches, so no cycle is lost. Keras' own
+    wrapper (the one `compile` adds) checks replica 0 only and counts nothing: it is
+    refused at the first step, on every replica count.
+
     State (optimizer variables, saved by `model.save` and `tf.train.Checkpoint`):
         total_micro_steps: micro-batches accumulated, never reset (a `LossScaleOptimizer`
             skip is not one). micro_steps: those of the current cycle, `0 <= n < k`.
-        skipped_updates: cycles dropped as non-finite.
+        skipped_updates: cycles dropped as non-finite. A `fit` that dropped some ends
+            with a `UserWarning` (Keras calls `finalize_variable_values` then).
         accumulators: replica-local (ON_READ, SUM) float32 sums (float64 for float64
             variables); a checkpoint holds their sum over replicas.
         iterations: the inner optimizer's: updates (schedules, Adam, EMA count those).
@@ -98,11 +174,29 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     Raises:
         ValueError: bad `accumulation_steps` / `non_finite`; an inner optimizer with its own
             accumulation; clipping, weight decay, EMA... given to the wrapper; (first step)
-            "raise" in an XLA-compiled step, which cannot raise.
-        TypeError: `inner_optimizer` is not a Keras 3 optimizer.
+            "raise" in an XLA-compiled step, which cannot raise; Keras' own
+            `LossScaleOptimizer` around it (the one `compile` adds under
+            `mixed_float16`): pass `AllReplicasFiniteLossScaleOptimizer(this)` to
+            `compile`; on 2+ replicas, `compile(steps_per_execution > 1)`, and
+            `jit_compile=True` on devices that are not all GPUs, which stock Keras
+            cannot run there either (the message names the fix).
+        TypeError: `inner_optimizer` is not a Keras 3 optimizer; distgrad 0.1's keywords
+            `optimizer=` / `steps=` (the message names the new ones).
         RuntimeError: (`build` / `apply`) not all under the same distribution strategy.
         tf.errors.InvalidArgumentError: (run time) a non-finite cycle under "raise".
     """
+
+    # Set to True by a loss-scale wrapper that skips a step unless *every* replica's
+    # gradients are finite (distgrad's AllReplicasFiniteLossScaleOptimizer does).
+    overflow_checked_on_every_replica = False
+
+    def __new__(cls, *args, **kwargs):
+        # Before Python's "missing 2 required positional arguments" for distgrad 0.1 code.
+        if renamed := [f"{old}= is now {new}=" for old, new in RENAMED_ARGUMENTS.items()
+                       if old in kwargs]:
+            raise TypeError(f"AccumulatingOptimizer: {'; '.join(renamed)} (distgrad 0.2): "
+                            "AccumulatingOptimizer(inner_optimizer, accumulation_steps).")
+        return super().__new__(cls)
 
     def __init__(self, inner_optimizer, accumulation_steps, non_finite="raise", name=None,
                  **kwargs):
@@ -112,6 +206,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.accumulation_steps = accumulation_steps
         self.non_finite = non_finite
         self._built_under, self._under_loss_scaling = None, False
+        self._skips_reported = None  # `skipped_updates` when the step was traced / last fit
         self.micro_steps = self.skipped_updates = None  # variables, created by `build`
         for option in CLIP_OPTIONS:
             setattr(self, option, getattr(inner_optimizer, option))
@@ -141,6 +236,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         elif "inner_optimizer" in self.__dict__:  # (BaseOptimizer.__init__ sets it first)
             self.inner_optimizer.loss_scale_factor = value
             self._under_loss_scaling = value is None
+            self.overflow_checked_on_every_replica = False  # until the new wrapper says so
 
     variables = property(lambda self: self._variables[:] + self.inner_optimizer.variables)
 
@@ -184,6 +280,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self._built_under = strategy
+        if not tf.executing_eagerly():  # created in a trace (no strategy): 0, not readable yet
+            self._skips_reported = 0
 
     def apply(self, grads, trainable_variables=None):
         """Accumulate this replica's `grads` (`None` skipped, `IndexedSlices` densified);
@@ -200,7 +298,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         self._check_context()
+        self._check_step()
+        self._check_loss_scale_wrapper()
         self._check_variables_are_known(trainable_variables)
+        if self._skips_reported is None:  # the first trace: a restored count is not news
+            self._skips_reported = self._skipped_now()
         # BaseOptimizer's filter: ValueError if no gradient at all, Keras' warning if some.
         grads, variables = self._filter_empty_gradients(grads, trainable_variables)
         with keras.name_scope(self.name, caller=self):
@@ -371,6 +473,14 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                              "context: inside strategy.run(step_fn, ...) (or through "
                              "model.fit), not directly under strategy.scope().")
 
+    def _check_step(self):
+        if message := _unrunnable_step(tf.distribute.get_strategy().num_replicas_in_sync):
+            raise ValueError(message)
+
+    def _check_loss_scale_wrapper(self):
+        if self._under_loss_scaling and not self.overflow_checked_on_every_replica:
+            raise ValueError(STOCK_WRAPPER_MESSAGE)
+
     def set_weights(self, weights):  # `variables`: the wrapper's, then the inner optimizer's
         weights, own = list(weights), len(self._variables)
         super().set_weights(weights[:own])
@@ -380,7 +490,22 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     def finalize_variable_values(self, var_list):
+        """Keras calls it at the end of every `fit` (TensorFlowTrainer.fit): the inner
+        optimizer's (EMA), then a `UserWarning` if cycles were dropped since the last call."""
         self.inner_optimizer.finalize_variable_values(var_list)
+        if self.skipped_updates is None:
+            return
+        skipped, before = self._skipped_now(), self._skips_reported
+        if before is not None and skipped > before:
+            warnings.warn(
+                f"AccumulatingOptimizer: {skipped - before} update(s) skipped in this fit "
+                f"({skipped} in all, `optimizer.skipped_updates`): their cycle's gradients "
+                "were NaN/Inf on some replica, and nothing was applied.", stacklevel=2)
+        self._skips_reported = skipped
+
+    def _skipped_now(self) -> int:
+        with tf.init_scope():  # eager, also while a step is being traced
+            return int(keras.ops.convert_to_numpy(self.skipped_updates))
 
     def get_config(self):
         inner = keras.saving.serialize_keras_object(self.inner_optimizer)

@@ -17,10 +17,13 @@ trainer.py`, `TensorFlowTrainer.train_step`):
   Regularization terms, added once per slice, count k * (1/k) = once.
 * **Mixed precision.** Each slice's loss goes through `optimizer.scale_loss` before
   `tape.gradient`; the summed *scaled* gradients go to `apply_gradients` once, so a
-  `LossScaleOptimizer` checks finiteness, unscales and updates once per step. (Keras'
-  `LossScaleOptimizer` checks replica 0 only under MirroredStrategy;
-  `distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer` checks all and works
-  here unchanged.)
+  `LossScaleOptimizer` checks finiteness, unscales and updates once per step. Keras'
+  own `LossScaleOptimizer` (the one `compile` adds under `mixed_float16`) checks
+  replica 0 only under MirroredStrategy, so when any replica's sum overflowed, every
+  replica hands it a NaN first gradient: it skips the step and halves its scale, like
+  one big batch that overflowed. The step is counted in `skipped_updates`.
+  (`distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer` checks every replica
+  itself and counts its `skipped_steps`: it gets the gradients as they are.)
 * **Metrics.** The loss tracker gets each slice's loss times R (like
   `unscale_loss_for_distribution`), weighted by the slice size, and `compute_metrics`
   runs on every slice: a `Mean` over k equal slices is the `Mean` over the batch, so
@@ -49,6 +52,39 @@ if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m 
                       "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
 
 NON_FINITE_POLICIES = ("raise", "skip")
+# Not a user's choice: under a LossScaleOptimizer, it skips and halves its scale.
+LOSS_SCALE = "loss_scale"
+
+
+CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
+
+
+def _clips_each_replica(optimizer) -> bool:
+    """True for a Keras 3 optimizer (or one inside a LossScaleOptimizer) with clipping:
+    Keras clips each replica's part *before* its SUM all-reduce (distgrad lesson 01), not
+    the sum one device would clip. distgrad's AccumulatingOptimizer clips the sum itself."""
+    if getattr(optimizer, "non_finite", None) is not None:
+        return False
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return (isinstance(inner, keras.optimizers.Optimizer)
+            and any(getattr(inner, option, None) for option in CLIP_OPTIONS))
+
+
+def _summed_on_replica_0(grads):
+    """Replica context: the SUM over replicas of `grads` on replica 0, zeros on the others
+    (one all-reduce). The optimizer's per-replica clipping then clips the whole gradient,
+    and its own SUM all-reduce gives every replica that clipped sum."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                [tf.convert_to_tensor(grads[i]) for i in present])
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    grads = list(grads)
+    for i, total in zip(present, summed):
+        grads[i] = tf.where(first, total, tf.zeros_like(total))
+    return grads
 
 
 def _check_count(name: str, value) -> None:
@@ -106,6 +142,23 @@ def _xla_dynamic_batch_message(accumulation_steps: int, replicas: int) -> str:
     )
 
 
+_STEPS_PER_EXECUTION_MESSAGE = (
+    "MicroBatching: model.compile(steps_per_execution > 1) cannot run on several replicas: "
+    "Keras calls the step function from a tf.cond branch inside its loop, and TensorFlow "
+    "does not feed that function the call-time key of its gradient all-reduce "
+    "(\"InvalidArgumentError: You must feed a value for placeholder tensor\"; stock Keras, "
+    "plain Adam too: https://github.com/keras-team/keras/issues/19246; the cause: distgrad's "
+    "upstream page, 'steps-per-execution'). Compile with steps_per_execution=1: the "
+    "micro-batches already run k per step.")
+_JIT_COMPILE_MESSAGE = (
+    "MicroBatching: model.compile(jit_compile=True) cannot run on several replicas that are "
+    "not all GPUs: Keras compiles the whole step, both replicas included, into one XLA "
+    "cluster, which cannot reach the other device's variables (\"Trying to access resource "
+    "... located in device CPU:1 from device CPU:0\"; stock Keras, plain Adam too: "
+    "https://github.com/keras-team/keras/issues/19005). Compile with jit_compile=False "
+    "(what Keras' default, \"auto\", picks under tf.distribute).")
+
+
 def _leading_dimension(structure):
     """(static size or None, dynamic size tensor) of the first non-None leaf."""
     leaf = next(t for t in tf.nest.flatten(structure) if t is not None)
@@ -117,9 +170,22 @@ def _slice(structure, start, size):
         lambda t: None if t is None else t[start:start + size], structure)
 
 
-# The same two functions as in distgrad/accumulator.py (each file is copyable alone).
+# These, and LOSS_SCALE to _summed_on_replica_0 above, are the same as in
+# distgrad/accumulator.py (each file is copyable alone; tests/test_copy_alone.py checks
+# that the copies do not drift apart).
 def _no_output(fn, *args, **kwargs) -> None:  # a tf.cond branch: both return nothing
     fn(*args, **kwargs)
+
+
+def _poisoned(grads, finite):
+    """`grads` with the first gradient all NaN unless `finite` (a scalar bool)."""
+    grads = list(grads)
+    i = next(i for i, g in enumerate(grads) if g is not None)
+    values = grads[i].values if isinstance(grads[i], tf.IndexedSlices) else grads[i]
+    values = tf.where(finite, values, tf.constant(float("nan"), values.dtype))
+    grads[i] = (tf.IndexedSlices(values, grads[i].indices, grads[i].dense_shape)
+                if isinstance(grads[i], tf.IndexedSlices) else values)
+    return grads
 
 
 def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip) -> None:
@@ -129,7 +195,10 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
     flag, or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
     step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + the strings
     and tensors `describe()` returns) before anything changes. `"skip"`: `on_skip()`
-    runs instead, once (in cross-replica context when there is one).
+    runs instead, once (in cross-replica context when there is one). `LOSS_SCALE`
+    (`apply_fn` calls a LossScaleOptimizer): `on_skip()` runs as for "skip", and
+    `apply_fn` is called with the first gradient NaN on *every* replica, so that the
+    optimizer skips the step and halves its scale: Keras' own reads replica 0 only.
 
     Raises:
         ValueError: (trace time) "raise" in an XLA-compiled step (XLA compiles assertions
@@ -137,13 +206,31 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
             cannot update a Keras optimizer inside a `tf.cond` (its ONLY_FIRST_REPLICA
             `iterations` needs merge_call).
     """
-    if non_finite not in NON_FINITE_POLICIES:
+    if non_finite not in (*NON_FINITE_POLICIES, LOSS_SCALE):
         raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
     finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
                                      for g in grads if g is not None]))
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync
     no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
+    if non_finite == LOSS_SCALE:
+        if replicas > 1 and no_merge_call:
+            raise ValueError(
+                "A LossScaleOptimizer cannot update on several replicas without merge_call "
+                "(TensorFlow's path for XLA-compiled steps on GPUs): its update is a "
+                "replica-context tf.cond, in which TensorFlow cannot update the inner "
+                "optimizer's `iterations`. Compile with jit_compile=False.")
+        if no_merge_call:  # one replica (no strategy, or XLA): its flag is all there is
+            tf.cond(finite, lambda: None, lambda: _no_output(on_skip))
+        else:  # every replica's flag, read where all are visible
+            def every_replica(distribution, flag):
+                everywhere = tf.reduce_all(tf.stack(distribution.experimental_local_results(flag)))
+                tf.cond(everywhere, lambda: None, lambda: _no_output(on_skip))
+                return everywhere
+
+            finite = context.merge_call(every_replica, args=(finite,))
+        apply_fn(_poisoned(grads, finite))
+        return
     if non_finite == "raise":
         if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             raise ValueError(
@@ -205,11 +292,16 @@ class MicroBatching:
             "raise" (default): `tf.errors.InvalidArgumentError` naming the update, before
             anything changes. "skip": no update, counted in `skipped_updates`, which
             `fit`'s logs then show. An optimizer that handles non-finite gradients
-            itself decides instead: a `LossScaleOptimizer` (overflows are its business)
-            or one with a `non_finite` policy (distgrad's `AccumulatingOptimizer`).
+            itself decides instead: a `LossScaleOptimizer` (it skips the step and halves
+            its scale, after an overflow on any replica: Keras' own gets NaN gradients
+            on every replica then) or one with a `non_finite` policy (distgrad's
+            `AccumulatingOptimizer`).
 
     State: Keras' own, and `skipped_updates` (a mirrored int64 `tf.Variable`: saved by
-    `tf.train.Checkpoint(model=...)`, not a model weight). The summed gradients are loop
+    `tf.train.Checkpoint(model=...)`, not a model weight): steps skipped as non-finite
+    ("skip", or under Keras' `LossScaleOptimizer`). Nothing skipped is silent: `fit`'s
+    logs (and `History`) hold `skipped_updates` whenever steps can be skipped, and a
+    `fit` that skipped some ends with a `UserWarning`. The summed gradients are loop
     variables of one step, so `fit` steps, callbacks, schedules and `iterations` count
     updates.
 
@@ -231,8 +323,10 @@ class MicroBatching:
             size (typically a smaller last batch): use `drop_remainder=True`; a
             non-finite step under "raise".
         ValueError: a bad `non_finite`; (first step) "raise" under `jit_compile=True`,
-            "skip" on 2+ replicas without merge_call (XLA on GPUs): the message names the
-            fix.
+            "skip" on 2+ replicas without merge_call (XLA on GPUs); (start of `fit`) on
+            2+ replicas, `steps_per_execution > 1`, and `jit_compile=True` on devices
+            that are not all GPUs, which stock Keras cannot run there either: the message
+            names the fix.
     """
 
     def __init__(self, *args, accumulation_steps: int = 1, non_finite: str = "raise",
@@ -327,25 +421,69 @@ class MicroBatching:
             gradients = [None if p in unconnected else g for p, g in enumerate(summed)]
             self._apply_summed(gradients, trainable)
         logs = self.get_metrics_result()
-        if self.non_finite == "skip":
-            logs["skipped_updates"] = tf.convert_to_tensor(self.skipped_updates)
+        if (counter := self._skip_counter()) is not None:
+            logs["skipped_updates"] = tf.convert_to_tensor(counter)
         return logs
 
+    def _skip_counter(self):
+        """The variable that counts this model's skipped steps, or None if none can be."""
+        counted_by_optimizer = getattr(self.optimizer, "skipped_steps", None)
+        if counted_by_optimizer is not None:  # distgrad's AllReplicasFiniteLossScaleOptimizer
+            return counted_by_optimizer
+        if (self.non_finite == "skip"
+                or isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)):
+            return self.skipped_updates
+        return None
+
     def _apply_summed(self, gradients, trainable):
-        # The only sync point of the step: the optimizer's SUM all-reduce.
+        # The only sync point of the step: the optimizer's SUM all-reduce (and, with
+        # clipping on several replicas, one all-reduce before it: see _summed_on_replica_0).
         optimizer = self.optimizer
+        if _clips_each_replica(optimizer):
+            gradients = _summed_on_replica_0(gradients)
 
         def apply(grads):
             optimizer.apply_gradients(zip(grads, trainable))
 
-        if (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        if (getattr(optimizer, "skipped_steps", None) is not None
                 or getattr(optimizer, "non_finite", None) is not None):
-            apply(gradients)  # the optimizer's own policy decides
+            apply(gradients)  # it checks every replica and counts its skips itself
             return
-        _apply_unless_non_finite(apply, gradients, self.non_finite, lambda: [
+        # Keras' LossScaleOptimizer skips and halves its scale, but reads replica 0
+        # only: poisoned gradients make it see an overflow on any replica.
+        policy = (LOSS_SCALE if isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                  else self.non_finite)
+        _apply_unless_non_finite(apply, gradients, policy, lambda: [
             "MicroBatching: NaN/Inf summed gradients on some replica at update",
             optimizer.iterations + 1, "(optimizer.iterations + 1); nothing was applied."],
             lambda: self.skipped_updates.assign_add(1))
+
+    def make_train_function(self, force=False):
+        """Keras' (at the start of `fit`), after refusing what no replica count > 1 runs."""
+        strategy = self.distribute_strategy
+        if strategy.num_replicas_in_sync > 1 and not self.run_eagerly:
+            if self.steps_per_execution > 1:
+                raise ValueError(_STEPS_PER_EXECUTION_MESSAGE)
+            if self.jit_compile and not all(
+                    tf.DeviceSpec.from_string(d).device_type == "GPU"
+                    for d in strategy.extended.worker_devices):
+                raise ValueError(_JIT_COMPILE_MESSAGE)
+        return super().make_train_function(force)
+
+    def fit(self, *args, **kwargs):
+        """Keras' `fit`, then a `UserWarning` if steps were skipped as non-finite."""
+        before = int(self.skipped_updates.numpy())
+        history = super().fit(*args, **kwargs)
+        skipped = int(self.skipped_updates.numpy())
+        # (An optimizer that counts its own skips warns itself, at the end of fit.)
+        if skipped > before and self._skip_counter() is self.skipped_updates:
+            halved = (", and the LossScaleOptimizer halved its scale each time"
+                      if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) else "")
+            warnings.warn(
+                f"MicroBatching: {skipped - before} step(s) skipped in this fit ({skipped} in "
+                f"all, `model.skipped_updates`, also in fit's logs): their summed gradients "
+                f"were NaN/Inf on some replica{halved}.", stacklevel=2)
+        return history
 
 
 @keras.saving.register_keras_serializable(package="distgrad")

@@ -18,8 +18,10 @@ ends with `os._exit`, so a collective still blocked on a dead peer cannot hang i
 interpreter's teardown. A child that exits without writing the file (`os._exit`,
 `sys.exit`, a crash) is reported as such, whatever its exit status.
 
-This module imports only the standard library: it must not import TensorFlow (or
-Keras 3) before the child's environment is in place.
+This module imports only the standard library. The package's own `import distgrad`
+imports TensorFlow and Keras (to register distgrad's saveable classes), and in the
+child that happens with the child's environment in place: the parent sets it when it
+starts the child (or its fork server), before the child imports anything.
 """
 
 from __future__ import annotations

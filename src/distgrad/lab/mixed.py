@@ -1,7 +1,7 @@
 """The mixed-precision lab (lesson 04): policy, tolerances, overflowing data, the fixed recipe.
 
 `mixed_precision_fit` is lesson 04's fix run as `model.fit` under `mixed_float16`:
-Keras' `LossScaleOptimizer` (or `distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer`)
+`distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer` (or another wrapper)
 around `distgrad.AccumulatingOptimizer`, read micro-batch by micro-batch.
 `overflow_data` makes one chosen micro-batch overflow float16 on chosen replicas.
 """
@@ -139,10 +139,12 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
     `distgrad.AccumulatingOptimizer(..., accumulation_steps)` unless
     `accumulation_steps` is None. With `initial_scale=None` it is handed to
     `model.compile` as is, so Keras adds its own `LossScaleOptimizer` (default scale
-    2**15); otherwise it is wrapped here in `wrapper` (default Keras'
-    `LossScaleOptimizer`) with `initial_scale` and `dynamic_growth_steps`.
-    `non_finite` is passed to `AccumulatingOptimizer` when given (None: its default).
+    2**15; `AccumulatingOptimizer` refuses it at the first step); otherwise it is
+    wrapped here in `wrapper` (default distgrad's `AllReplicasFiniteLossScaleOptimizer`)
+    with `initial_scale` and `dynamic_growth_steps`. `non_finite` is passed to
+    `AccumulatingOptimizer` when given (None: its default).
     """
+    from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
     from distgrad.optimizer import AccumulatingOptimizer
 
     optimizer_factory = optimizer_factory or (lambda: keras.optimizers.SGD(0.1))
@@ -155,7 +157,7 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
                 optimizer = AccumulatingOptimizer(optimizer, accumulation_steps=accumulation_steps,
                                                   **policy)
             if initial_scale is not None:
-                wrapper_class = wrapper or keras.mixed_precision.LossScaleOptimizer
+                wrapper_class = wrapper or AllReplicasFiniteLossScaleOptimizer
                 optimizer = wrapper_class(optimizer, initial_scale=initial_scale,
                                           dynamic_growth_steps=dynamic_growth_steps)
             model.compile(optimizer=optimizer, loss="mse")

@@ -56,8 +56,7 @@ def phase(name: str, workdir: str, replicas: int) -> dict:
         run = fit_run(strategy, _optimizer, x[:SPLIT], y[:SPLIT], MICRO_BATCH)
         run.model.save(path)
         return {"iterations": run.updates, "micro_steps": run.total_micro_steps}
-    from distgrad.optimizer import AccumulatingOptimizer  # noqa: F401 - registers it for loading
-
+    # `import distgrad` (the child's first import) registered AccumulatingOptimizer.
     with strategy.scope():
         model = keras.models.load_model(path)
     restored = (int(model.optimizer.iterations.numpy()), int(model.optimizer.total_micro_steps.numpy()))

@@ -16,6 +16,8 @@ any name but `tf_keras.py` (which would shadow the tf-keras package). The Keras 
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 # Where tf.keras.Model lives in Keras 2: tf-keras (tested: 2.21), or the `keras` 2.x of
@@ -129,7 +131,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     that micro-batch on every replica and halves the scale once. The cycle then waits for
     k finite micro-batches.
 
-    State (tracked: `tf.train.Checkpoint` and `model.save` save and restore it):
+    State (tracked: `tf.train.Checkpoint` and `model.save` (`.keras`, or `.h5` without loss
+    scaling) save and restore it, and the dynamic loss scale of a wrapping
+    `LossScaleOptimizer`, which `model.save` alone would reset):
         accumulators: replica-local (ON_READ, SUM) float32 sums (float64 for float64
             variables); a checkpoint holds their sum over replicas and restores
             sum / R on every replica, so a restored cycle ends with the same update.
@@ -139,6 +143,22 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         iterations: updates made, plus the micro-batches a wrapping `LossScaleOptimizer`
             skipped (tf-keras counts a skipped step: its `do_not_apply_fn`).
             `inner_optimizer.iterations` counts updates only (Adam, schedules, EMA).
+        skipped_micro_batches: (read-only) `iterations - inner_optimizer.iterations`.
+        Nothing skipped is silent: a `fit` that skipped updates or micro-batches ends
+        with a `UserWarning` that counts them.
+        `variables`: the wrapper's, the inner optimizer's, then a wrapping
+            `LossScaleOptimizer`'s loss scale and good-step counter. Under a
+            `LossScaleOptimizer` it leaves out the accumulators: that wrapper restores
+            `variables` itself by plain assignment, which a SUM variable under a strategy
+            cannot take from a file; this optimizer's own `save_own_variables` /
+            `load_own_variables` keep them (see `accumulators`).
+
+    Saving and loading: `import distgrad` registers this class with tf-keras. A
+    `mixed_float16` model is compiled with a `LossScaleOptimizer` on load only when the
+    global policy is `mixed_float16` (tf-keras wraps in `compile`): set it before
+    `load_model`, or the load raises a `ValueError` that says so. `.h5` is tested in
+    float32; under `mixed_float16` use `.keras` (tf-keras' `.h5` loader restores an
+    optimizer's state with `set_weights`, which its `LossScaleOptimizerV3` lacks).
 
     Invariants: `n * k` calls equal `n` inner updates with the mean gradient of each k
     micro-batches, i.e. (with `fit`'s per-replica loss scaling) `n` steps on k-times
@@ -157,6 +177,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             `apply_gradients` in cross-replica context.
         tf.errors.InvalidArgumentError: (run time) a non-finite cycle under "raise".
         ImportError: (on import) tf.keras is Keras 3: set `TF_USE_LEGACY_KERAS=1` first.
+        ValueError: (`load_model`) a `mixed_float16` save loaded into a model compiled
+            without a `LossScaleOptimizer`, or another optimizer's state.
     """
 
     def __init__(self, inner_optimizer, accumulation_steps, non_finite="raise",
@@ -167,6 +189,15 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.accumulation_steps = accumulation_steps
         self.non_finite = non_finite
         self._accumulators, self._model_variables = [], _Untracked([])
+        self._skips_reported = None  # (skipped updates, micro-batches) at the last report
+
+    def _create_iteration_variable(self):  # BaseOptimizer's, under another name: `.h5`
+        # names each optimizer variable's dataset by `variable.name`, and the inner
+        # optimizer's is "iteration" too.
+        with tf.init_scope():
+            self._iterations = tf.Variable(0, name="accumulating_iteration", dtype=tf.int64,
+                                           trainable=False)
+        self._variables.append(self._iterations)
 
     learning_rate = property(lambda self: self.inner_optimizer.learning_rate)
 
@@ -187,9 +218,19 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         return list(self._accumulators)
 
     @property
-    def variables(self):  # the wrapper's, then the inner optimizer's
-        inner = self.inner_optimizer.variables
-        return _CallableList(self._variables + list(inner() if callable(inner) else inner))
+    def variables(self):  # the wrapper's, the inner optimizer's, the loss scale's: see State
+        if not getattr(self, "_is_wrapped_by_loss_scale_optimizer", False):
+            return _CallableList(self._state())
+        accumulators = {id(a) for a in self._accumulators}
+        return _CallableList(v for v in self._state() if id(v) not in accumulators)
+
+    def _state(self):  # everything `model.save` keeps, in this order
+        # A wrapping LossScaleOptimizer tracks its dynamic loss scale through this
+        # optimizer (DelegatingTrackableMixin), under the name "loss_scale".
+        loss_scale = self._lookup_dependency("loss_scale")
+        return (self._variables + _listed(self.inner_optimizer.variables)
+                + ([] if loss_scale is None else [loss_scale.current_loss_scale,
+                                                  loss_scale.counter]))
 
     def build(self, var_list):
         """Create accumulators and counters, and build the inner optimizer."""
@@ -265,6 +306,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                                "model.fit), not directly under strategy.scope().")
         with tf.init_scope():
             self.build(self._model_variables.values or [v for _, v in grads_and_vars])
+        if self._skips_reported is None:  # the first trace: restored counts are not news
+            self._skips_reported = self._skip_counts()
         with tf.name_scope(name or self.name):
             for grad, variable in grads_and_vars:  # replica-local: no communication
                 accumulator = self._accumulator_of(variable)
@@ -340,13 +383,71 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         for accumulator in self._accumulators:
             accumulator.assign(tf.zeros_like(accumulator))
 
+    def save_own_variables(self, store):  # all of `_state()`, the accumulators too
+        for i, variable in enumerate(self._state()):
+            store[str(i)] = variable.numpy()
+
     def load_own_variables(self, store):  # `model.save` files hold h5py datasets, and
         # assigning one to a SUM variable across replicas divides it first: read arrays.
-        super().load_own_variables({k: store[k][()] for k in store.keys()})  # noqa: SIM118
+        values = [store[str(i)][()] for i in range(len(store.keys()))]
+        core = len(self._variables) + len(_listed(self.inner_optimizer.variables))
+        # A LossScaleOptimizer's file holds its `variables` (no accumulators; see State)
+        # with the loss scale; the inner file holds everything.
+        saved_under_loss_scaling = len(values) != core and len(values) in (
+            core + 2, core + 2 - len(self._accumulators))
+        if saved_under_loss_scaling and len(self._state()) == core:
+            raise ValueError(
+                "AccumulatingOptimizer: this file was saved under a LossScaleOptimizer "
+                "(mixed_float16), but the loaded model compiled it without one: tf-keras "
+                "wraps the optimizer in compile only when the global dtype policy is "
+                "mixed_float16. Call tf.keras.mixed_precision.set_global_policy("
+                "'mixed_float16') before load_model (or load_model(..., compile=False) to "
+                "leave the optimizer state behind).")
+        if not core <= len(values) <= core + 2:  # + the loss scale, in the file or here
+            raise ValueError(
+                f"AccumulatingOptimizer: cannot restore the optimizer state: {core} "
+                f"variables here (without a loss scale), {len(values)} in the file. Load it "
+                "into the model and optimizer it was saved from.")
+        for variable, value in zip(self._state(), values):
+            variable.assign(value)
 
-    def finalize_variable_values(self, var_list):  # the inner optimizer's EMA, if any
+    def set_weights(self, weights):  # over `variables` (.h5 loads restore through it)
+        variables = self.variables
+        if not getattr(self, "_built", False) or len(weights) != len(variables):
+            raise ValueError(f"AccumulatingOptimizer.set_weights: {len(weights)} weights for "
+                             f"{len(variables)} variables (built: "
+                             f"{getattr(self, '_built', False)}).")
+        for variable, weight in zip(variables, weights):  # h5py datasets: to tensors first
+            variable.assign(tf.convert_to_tensor(weight))
+
+    @property
+    def skipped_micro_batches(self):
+        """Micro-batches a wrapping `LossScaleOptimizer` skipped as overflowing (it counts
+        them in `iterations`; the inner optimizer counts updates only)."""
+        return self._iterations - tf.cast(self.inner_optimizer.iterations, tf.int64)
+
+    def _skip_counts(self):
+        with tf.init_scope():  # eager, also while a step is being traced
+            return (int(self.skipped_updates.numpy()), int(self.skipped_micro_batches.numpy()))
+
+    def finalize_variable_values(self, var_list):
+        """tf-keras calls it at the end of every `fit`: the inner optimizer's (EMA), then a
+        `UserWarning` if cycles or micro-batches were skipped since the last call."""
         if hasattr(self.inner_optimizer, "finalize_variable_values"):  # not OptimizerV2
             self.inner_optimizer.finalize_variable_values(var_list)
+        if not getattr(self, "_built", False):
+            return
+        counts, before = self._skip_counts(), self._skips_reported
+        if before is not None and counts != before:
+            (updates, micro_batches), (updates_before, micro_batches_before) = counts, before
+            warnings.warn(
+                f"AccumulatingOptimizer: skipped in this fit: {updates - updates_before} "
+                f"update(s) whose cycle's gradients were NaN/Inf on some replica "
+                f"(`optimizer.skipped_updates`: {updates} in all), and "
+                f"{micro_batches - micro_batches_before} micro-batch(es) whose gradients "
+                "overflowed, after which the LossScaleOptimizer halved its scale "
+                f"(`skipped_micro_batches`: {micro_batches} in all).", stacklevel=2)
+        self._skips_reported = counts
 
     def get_config(self):
         return {"name": self.name, "accumulation_steps": self.accumulation_steps,
@@ -361,6 +462,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                                              custom_objects=custom_objects,
                                              use_legacy_optimizer=False)
         return cls(inner, **config)
+
+
+def _listed(variables):
+    return list(variables() if callable(variables) else variables)
 
 
 def _all_finite(tensors):
