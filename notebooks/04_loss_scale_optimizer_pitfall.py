@@ -52,6 +52,7 @@ show_environment(distgrad.environment_report(strategy))
 import importlib.util
 import inspect
 import pathlib
+import re
 import textwrap
 import warnings
 
@@ -447,7 +448,9 @@ try:
     raise AssertionError("Keras' own wrapper was accepted")
 except ValueError as err:
     refusal = str(err)
-print(refusal[refusal.index("AccumulatingOptimizer is inside"):])
+refusal = re.sub(r"\x1b\[[0-9;]*m", "", refusal)  # Keras' traceback adds terminal bold
+print("ValueError:", textwrap.fill(refusal[refusal.index("AccumulatingOptimizer is inside"):],
+                                   88, subsequent_indent="  "))
 assert "from replica 0 only" in refusal
 assert "AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(" in refusal
 
@@ -468,8 +471,8 @@ assert "AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(" in 
 
 # %%
 fixed_default = mixed.mixed_precision_fit(strategy, x, y, mb, 2)  # the wrapper given to compile
-print(f"{fixed_default.wrapper}({fixed_default.wrapped}), accumulators:",
-      ", ".join(fixed_default.accumulator_dtypes))
+print(f"{fixed_default.wrapper}({fixed_default.wrapped})")
+print("accumulators:", ", ".join(fixed_default.accumulator_dtypes))
 assert fixed_default.wrapper == "AllReplicasFiniteLossScaleOptimizer"
 assert fixed_default.wrapped == "AccumulatingOptimizer"
 assert fixed_default.accumulator_dtypes == ("float32",) * 4 and all(fixed_default.weights_finite)

@@ -588,10 +588,11 @@ TF_KERAS_RESUME = """
 import json, sys
 import numpy as np
 import distgrad  # registers distgrad.tf_keras.AccumulatingOptimizer with tf-keras
+keras_3_imported = "keras" in sys.modules
 strategy = distgrad.make_strategy(2)
 import tensorflow as tf
 
-rest, out = np.load("rest.npz"), {}
+rest, out = np.load("rest.npz"), {"keras 3 imported": keras_3_imported}
 if sys.argv[1] == "mixed_float16":  # a user who forgot the policy is told so
     try:
         with strategy.scope():
@@ -617,6 +618,7 @@ def test_tf_keras_skips_an_overflowing_micro_batch_and_resumes_a_save_exactly(
     legacy = {"TF_USE_LEGACY_KERAS": "1"}
     trained = run_script(tmp_path, TF_KERAS_TRAIN, precision, env=legacy)
     resumed = run_script(tmp_path, TF_KERAS_RESUME, precision, env=legacy)
+    assert resumed.pop("keras 3 imported") is False  # `import distgrad` left Keras 3 alone
     skip = trained["skip"]
     if precision == "mixed_float16":
         assert skip["optimizer"] == "LossScaleOptimizerV3"  # what compile wrapped it in
@@ -630,3 +632,19 @@ def test_tf_keras_skips_an_overflowing_micro_batch_and_resumes_a_save_exactly(
     assert set(resumed) == ({"inside.keras", "outside.keras"} | (
         {"mid.h5"} if precision == "float32" else set()))
     assert all(diff <= FLOAT32["atol"] for diff in resumed.values()), resumed
+
+
+# -- what a user writes by mistake ------------------------------------------------------
+
+
+def test_the_keywords_of_distgrad_0_1_are_named_with_their_new_names():
+    with pytest.raises(TypeError, match=r"optimizer= is now inner_optimizer=; steps= is now "
+                                        r"accumulation_steps="):
+        distgrad.AccumulatingOptimizer(optimizer=keras.optimizers.Adam(), steps=4)
+
+
+def test_a_gradient_accumulator_takes_no_accumulation_count(strategy):
+    with strategy.scope():
+        model = make_model()
+        with pytest.raises(TypeError, match="takes no accumulation count.*your loop decides"):
+            distgrad.GradientAccumulator(model.trainable_variables, 4)

@@ -153,7 +153,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     `skipped_steps`) a micro-batch that overflowed on *any* replica, halving the scale;
     the cycle then waits for k finite micro-batches, so no cycle is lost. Keras' own
     wrapper (the one `compile` adds) checks replica 0 only and counts nothing: it is
-    refused at the first step, on every replica count.
+    refused at the first step, on every replica count, so that code that runs on one
+    device runs right on eight. Why refuse rather than repair: an overflow must lower
+    the wrapper's scale, and an inner optimizer holds no reference to its wrapper (it
+    only sees `loss_scale_factor` set to None), so it could skip a bad micro-batch but
+    never lower the scale, and the same overflow would come back. `MicroBatching` and
+    `GradientAccumulator` hold the optimizer itself: they repair Keras' wrapper instead.
 
     State (optimizer variables, saved by `model.save` and `tf.train.Checkpoint`):
         total_micro_steps: micro-batches accumulated, never reset (a `LossScaleOptimizer`
