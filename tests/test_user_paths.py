@@ -521,7 +521,7 @@ def test_steps_per_execution_runs_on_one_replica(strategy):
 # -- tf-keras (Keras 2): TF_USE_LEGACY_KERAS=1 before TensorFlow, in a process of its own -
 
 TF_KERAS_TRAIN = """
-import json, sys, warnings
+import json, warnings
 import numpy as np
 import distgrad
 strategy = distgrad.make_strategy(2)
@@ -529,7 +529,6 @@ import tensorflow as tf
 from distgrad.tf_keras import AccumulatingOptimizer
 
 out, K, MICRO = {}, 2, 8
-tf.keras.mixed_precision.set_global_policy(sys.argv[1])
 rng = np.random.default_rng(0)
 x = rng.normal(size=(8 * MICRO, 4)).astype("float32")
 y = (x @ rng.normal(size=(4, 1)) + 0.1 * rng.normal(size=(8 * MICRO, 1))).astype("float32")
@@ -548,38 +547,39 @@ def model(accumulate):
 def data(x, y, size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(size, drop_remainder=True)
 
-# An outlier in replica 1's half of micro-batch 2: skipped; big batch without it.
-bad_y = y.copy()
-bad_y[2 * MICRO + MICRO // 2] = 1e4
-skipping = model(True)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    skipping.fit(data(x[:7 * MICRO], bad_y[:7 * MICRO], MICRO), verbose=0)
-keep = np.r_[0:2 * MICRO, 3 * MICRO:7 * MICRO]
-reference = model(False)
-reference.fit(data(x[keep], y[keep], K * MICRO), verbose=0)
-accumulating = skipping.optimizer
-if isinstance(accumulating, tf.keras.mixed_precision.LossScaleOptimizer):
-    accumulating = accumulating.inner_optimizer
-out["skip"] = {
-    "optimizer": type(skipping.optimizer).__name__,
-    "updates": int(accumulating.inner_optimizer.iterations.numpy()),
-    "skipped_micro_batches": int(accumulating.skipped_micro_batches.numpy()),
-    "warnings": [str(w.message) for w in caught if "skipped in this fit" in str(w.message)],
-    "max_diff": max(float(np.max(np.abs(a - b)))
-                    for a, b in zip(skipping.get_weights(), reference.get_weights()))}
-
-# Saved after 3 micro-batches (mid-cycle), to .keras inside and outside the scope, and .h5.
-uninterrupted = model(True)
-uninterrupted.fit(data(x, y, MICRO), verbose=0)
-np.savez("uninterrupted.npz", *uninterrupted.get_weights())
-first = model(True)
-first.fit(data(x[:3 * MICRO], y[:3 * MICRO], MICRO), verbose=0)
-with strategy.scope():
-    first.save("inside.keras")
-first.save("outside.keras")
-if sys.argv[1] == "float32":
-    first.save("mid.h5")
+for precision in ("float32", "mixed_float16"):
+    tf.keras.mixed_precision.set_global_policy(precision)
+    if precision == "mixed_float16":
+        # An outlier in replica 1's half of micro-batch 2: skipped; big batch without it.
+        bad_y = y.copy()
+        bad_y[2 * MICRO + MICRO // 2] = 1e4
+        skipping = model(True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            skipping.fit(data(x[:7 * MICRO], bad_y[:7 * MICRO], MICRO), verbose=0)
+        keep = np.r_[0:2 * MICRO, 3 * MICRO:7 * MICRO]
+        reference = model(False)
+        reference.fit(data(x[keep], y[keep], K * MICRO), verbose=0)
+        accumulating = skipping.optimizer.inner_optimizer
+        out["skip"] = {
+            "optimizer": type(skipping.optimizer).__name__,
+            "updates": int(accumulating.inner_optimizer.iterations.numpy()),
+            "skipped_micro_batches": int(accumulating.skipped_micro_batches.numpy()),
+            "warnings": [str(w.message) for w in caught
+                         if "skipped in this fit" in str(w.message)],
+            "max_diff": max(float(np.max(np.abs(a - b)))
+                            for a, b in zip(skipping.get_weights(), reference.get_weights()))}
+    # Saved after 3 micro-batches (mid-cycle): .keras inside and outside the scope, .h5.
+    uninterrupted = model(True)
+    uninterrupted.fit(data(x, y, MICRO), verbose=0)
+    np.savez(f"{precision}.npz", *uninterrupted.get_weights())
+    first = model(True)
+    first.fit(data(x[:3 * MICRO], y[:3 * MICRO], MICRO), verbose=0)
+    with strategy.scope():
+        first.save(f"{precision}-inside.keras")
+    first.save(f"{precision}-outside.keras")
+    if precision == "float32":
+        first.save("float32.h5")
 np.savez("rest.npz", x=x[3 * MICRO:], y=y[3 * MICRO:])
 print(json.dumps(out))
 """
@@ -593,44 +593,43 @@ strategy = distgrad.make_strategy(2)
 import tensorflow as tf
 
 rest, out = np.load("rest.npz"), {"keras 3 imported": keras_3_imported}
-if sys.argv[1] == "mixed_float16":  # a user who forgot the policy is told so
-    try:
+for precision in ("float32", "mixed_float16"):
+    if precision == "mixed_float16":  # a user who forgot the policy is told so
+        try:
+            with strategy.scope():
+                tf.keras.models.load_model("mixed_float16-inside.keras")
+        except ValueError as err:
+            out["without the policy"] = str(err)
+        tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    files = [f"{precision}-inside.keras", f"{precision}-outside.keras"]
+    for path in files + (["float32.h5"] if precision == "float32" else []):
         with strategy.scope():
-            tf.keras.models.load_model("inside.keras")
-    except ValueError as err:
-        out["without the policy"] = str(err)
-    tf.keras.mixed_precision.set_global_policy("mixed_float16")
-files = ["inside.keras", "outside.keras"] + (["mid.h5"] if sys.argv[1] == "float32" else [])
-for path in files:
-    with strategy.scope():
-        model = tf.keras.models.load_model(path)
-    model.fit(tf.data.Dataset.from_tensor_slices((rest["x"], rest["y"])).batch(8), verbose=0)
-    expected = np.load("uninterrupted.npz")
-    out[path] = max(float(np.max(np.abs(w - expected[f"arr_{i}"])))
-                    for i, w in enumerate(model.get_weights()))
+            model = tf.keras.models.load_model(path)
+        model.fit(tf.data.Dataset.from_tensor_slices((rest["x"], rest["y"])).batch(8),
+                  verbose=0)
+        expected = np.load(f"{precision}.npz")
+        out[path] = max(float(np.max(np.abs(w - expected[f"arr_{i}"])))
+                        for i, w in enumerate(model.get_weights()))
 print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
-def test_tf_keras_skips_an_overflowing_micro_batch_and_resumes_a_save_exactly(
-        tmp_path, precision):
+def test_tf_keras_skips_an_overflowing_micro_batch_and_resumes_a_save_exactly(tmp_path):
     legacy = {"TF_USE_LEGACY_KERAS": "1"}
-    trained = run_script(tmp_path, TF_KERAS_TRAIN, precision, env=legacy)
-    resumed = run_script(tmp_path, TF_KERAS_RESUME, precision, env=legacy)
+    trained = run_script(tmp_path, TF_KERAS_TRAIN, env=legacy)
+    resumed = run_script(tmp_path, TF_KERAS_RESUME, env=legacy)
     assert resumed.pop("keras 3 imported") is False  # `import distgrad` left Keras 3 alone
     skip = trained["skip"]
-    if precision == "mixed_float16":
-        assert skip["optimizer"] == "LossScaleOptimizerV3"  # what compile wrapped it in
-        assert (skip["updates"], skip["skipped_micro_batches"]) == (3, 1)
-        assert len(skip["warnings"]) == 1 and "1 micro-batch(es) whose gradients overflowed" \
-            in skip["warnings"][0]
-        assert skip["max_diff"] <= MIXED["atol"]
-        assert "set_global_policy('mixed_float16') before load_model" in resumed.pop(
-            "without the policy")
+    assert skip["optimizer"] == "LossScaleOptimizerV3"  # what compile wrapped it in
+    assert (skip["updates"], skip["skipped_micro_batches"]) == (3, 1)
+    assert len(skip["warnings"]) == 1
+    assert "1 micro-batch(es) whose gradients overflowed" in skip["warnings"][0]
+    assert skip["max_diff"] <= MIXED["atol"]  # big batch without the skipped micro-batch
+    assert "set_global_policy('mixed_float16') before load_model" in resumed.pop(
+        "without the policy")
     # Resumed from each file, then fit on the rest: the uninterrupted run's weights.
-    assert set(resumed) == ({"inside.keras", "outside.keras"} | (
-        {"mid.h5"} if precision == "float32" else set()))
+    assert set(resumed) == {"float32-inside.keras", "float32-outside.keras", "float32.h5",
+                            "mixed_float16-inside.keras", "mixed_float16-outside.keras"}
     assert all(diff <= FLOAT32["atol"] for diff in resumed.values()), resumed
 
 
