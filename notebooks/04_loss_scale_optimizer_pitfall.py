@@ -562,9 +562,7 @@ assert len(skip_warnings) == 1 and "2 micro-batch(es) skipped in this fit" in sk
 # Read the plot: every halving of the scale is a skipped micro-batch (`total_micro_steps`
 # does not move) and a pause in the updates, and both outliers are skipped — replica 1's
 # too. No cycle is lost: the cycle waits for two good micro-batches. Nothing is silent
-# either: the wrapper counts what it skipped (`optimizer.skipped_steps`), `fit` ends
-# with one warning that says how many, and `distgrad.AccumulationCallback` puts the count
-# into `fit`'s logs as `skipped_micro_batches`.
+# either: `fit` ends with one warning that says how many micro-batches were skipped.
 
 # %% [markdown]
 # ## 6 · The fix on the question's stack: tf-keras, `mixed_float16`, `model.fit`

@@ -506,15 +506,22 @@ def test_flags_stock_keras_cannot_run_on_two_replicas_fail_at_the_start_naming_t
         np.testing.assert_array_equal(now, then)  # nothing ran
 
 
-def test_steps_per_execution_runs_on_one_replica(strategy):
+@pytest.mark.parametrize("way", ["AccumulatingOptimizer", "MicroBatchingModel"])
+def test_steps_per_execution_runs_on_one_replica(way):
     x, y = regression(8 * MICRO)
     models = {}
     for steps in (1, 4):
         with distgrad.make_strategy(1).scope():
-            models[steps] = make_model(distgrad.MicroBatchingModel, accumulation_steps=K)
-            models[steps].compile(optimizer=distgrad.AccumulatingOptimizer(
-                keras.optimizers.Adam(0.01), K), loss="mse", steps_per_execution=steps)
-        models[steps].fit(batches(x, y, K * MICRO), verbose=0)
+            if way == "MicroBatchingModel":
+                model = make_model(distgrad.MicroBatchingModel, accumulation_steps=K)
+                optimizer, batch = keras.optimizers.Adam(0.01), K * MICRO
+            else:
+                model = make_model()
+                optimizer = distgrad.AccumulatingOptimizer(keras.optimizers.Adam(0.01), K)
+                batch = MICRO
+            model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps)
+        model.fit(batches(x, y, batch), verbose=0)
+        models[steps] = model
     assert_same_weights(models[4], models[1], FLOAT32)
 
 

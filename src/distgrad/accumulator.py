@@ -44,9 +44,9 @@ def _clips_each_replica(optimizer) -> bool:
     """True for a Keras 3 optimizer (or one inside a LossScaleOptimizer) with clipping:
     Keras clips each replica's part *before* its SUM all-reduce (distgrad lesson 01), not
     the sum one device would clip. distgrad's AccumulatingOptimizer clips the sum itself."""
-    if getattr(optimizer, "non_finite", None) is not None:
-        return False
     inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "non_finite", None) is not None:  # also inside a LossScaleOptimizer
+        return False
     return (isinstance(inner, keras.optimizers.Optimizer)
             and any(getattr(inner, option, None) for option in CLIP_OPTIONS))
 
