@@ -86,7 +86,8 @@ unit: install
 # one by one (files not listed here run last).
 LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   $(EXECUTED)/05_accumulate_in_train_step.ipynb tests/test_benchmarks.py \
-  $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_train_step.py tests/test_user_paths.py \
+  $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_train_step.py \
+  tests/test_user_paths.py tests/test_fix_cells.py \
   tests/test_optimizer.py \
   $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py \
   $(EXECUTED)/06_multi_worker.ipynb tests/test_non_finite.py tests/test_accumulator.py \

@@ -16,245 +16,295 @@
 # %% [markdown]
 # # 01 · Where `strategy.run` syncs your gradients
 #
-# **The question** ([TensorFlow forum, TF 2.x](../questions.md#q1)). The custom-training-loop
-# tutorial calls `optimizer.apply_gradients` *inside* the per-replica `train_step`, and
-# only reduces the losses explicitly. So where are the gradients summed — does
-# `strategy.run` do it? And could that explain unstable losses?
+# **The question** ([TensorFlow forum, TF 2.x](../questions.md#q1)). The custom-training
+# tutorial calls `optimizer.apply_gradients` *inside* the per-replica `train_step` and reduces
+# only the losses. Where are the gradients summed: does `strategy.run` do it? Could that explain
+# unstable losses?
 #
-# **Short answer.** `strategy.run` syncs nothing. The sum happens *inside*
-# `apply_gradients`: Keras' TensorFlow optimizer calls `ReplicaContext.all_reduce(SUM)`
-# on the gradients from each replica (Keras ≥ 3.5: before keras-team/keras#19969, Keras 3
-# [summed nothing](../versions.md#below-the-bounds)); `MirroredStrategy` carries that out
-# with a `merge_call` (every replica pauses, one `batch_reduce_to` runs in cross-replica
-# context), and a second `merge_call` writes the same update into every mirrored copy.
-# Because it is a SUM, each replica's loss must be divided by the **global** batch size
-# — otherwise the step is R times too large. And because Keras 3 clips *before* that
-# sum, `clipnorm` under a strategy clips each replica's part of the gradient.
-#
-# Every statement below is executed and asserted, on the replicas this notebook finds
-# (logical CPU devices, or your GPUs: the code does not change).
+# **Short answer.** `strategy.run(train_step)` runs `train_step` once per replica and sums
+# nothing. Such code is in **replica context**: one copy per device, each on its own slice of the
+# batch. Code that runs once for all replicas (your loop, `strategy.reduce`) is in
+# **cross-replica context**. The sum happens in `optimizer.apply_gradients`: called in replica
+# context, it adds up the gradients of all replicas (an *all-reduce* with SUM) and writes one
+# update into every replica's copy of the weights. So each replica divides its loss by the
+# **global** batch size; dividing by its own slice makes every step R times too large (R
+# replicas): a real cause of unstable losses.
 
 # %%
+import tensorflow as tf
+
 import distgrad
+from distgrad.lab.display import show_code, show_environment, show_table
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
-
-from distgrad.lab.display import show_code, show_environment, show_table
-
+tf.get_logger().setLevel("ERROR")  # no INFO lines; the cells below retrace on purpose
 show_environment(distgrad.environment_report(strategy))
 
-# %%
-import textwrap
+# %% [markdown]
+# ## 1 · The fix
+#
+# The tutorial's loop, whole, ready to paste into a file: each replica divides its loss by
+# `GLOBAL_BATCH`; `apply_gradients` inside `train_step` sums the gradients; the epoch's leftover
+# examples are dropped.
 
+# %% tags=["fix"]
 import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weight_diff, weights_of
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import count_collectives
-from distgrad.lab.recipes import big_batch_reference, run_steps
-from distgrad.lab.spy import record_sync_path, summarize_path
+# Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
+cpu = tf.config.list_physical_devices("CPU")[0]
+no_gpu = not tf.config.list_physical_devices("GPU")
+if no_gpu and not tf.config.get_logical_device_configuration(cpu):
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.experimental.enable_tensor_float_32_execution(False)  # exact float32 for the check
+devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+strategy = tf.distribute.MirroredStrategy(devices)
 
-# Every experiment below builds fresh tf.functions on purpose; silence the retracing notes.
-tf.get_logger().setLevel("ERROR")
-GLOBAL_BATCH = 8 * R
-x, y = regression_data(GLOBAL_BATCH)
-sgd = OPTIMIZERS["sgd"]  # keras.optimizers.SGD(0.1)
+GLOBAL_BATCH = 8 * strategy.num_replicas_in_sync  # one step's examples, all replicas together
+rng = np.random.default_rng(0)
+x = rng.normal(size=(2 * GLOBAL_BATCH + 5, 4)).astype("float32")  # 2 batches, 5 left over
+y = x @ rng.normal(size=(4, 1)).astype("float32")
+# The 5 leftover examples are dropped: every step holds GLOBAL_BATCH examples, the number the
+# loss is divided by. (Shuffle in real training, so that other examples are left out each epoch.)
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
+dist_dataset = strategy.experimental_distribute_dataset(dataset)  # replica r: the r-th slice
 
-# %% [markdown]
-# ## 1 · The tutorial's loop, written out
-#
-# The tutorial's `train_step` runs on every replica: forward pass, **per-example** loss,
-# `tf.nn.compute_average_loss(..., global_batch_size=GLOBAL_BATCH)` (sum of this
-# replica's losses divided by the *global* batch), gradients, `apply_gradients`. Its
-# `distributed_train_step` calls it through `strategy.run` and reduces the returned
-# losses with `strategy.reduce(SUM, ...)`. Here the model and optimizer are arguments,
-# so that we can rerun the same step on fresh variables later.
+def make_model():  # one input, one output, like the tutorial; seeded for the check below
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([keras.Input((4,)),
+                             keras.layers.Dense(8, "tanh", kernel_initializer=init(seed=0)),
+                             keras.layers.Dense(1, kernel_initializer=init(seed=1))])
 
-# %%
 with strategy.scope():  # mirrored variables: one copy per replica
-    model = tiny_model()
-    optimizer = sgd()
-    optimizer.build(model.trainable_variables)  # its variables now, not inside a trace
+    model = make_model()
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
 
-
-def train_step(model, optimizer, x, y):
-    """The tutorial's replica step: runs once per replica, in replica context."""
+def train_step(x, y):  # replica context: runs once per replica, on that replica's slice
     with tf.GradientTape() as tape:
-        predictions = model(x, training=True)
-        per_example_loss = keras.losses.mean_squared_error(y, predictions)  # shape (B / R,)
+        per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
+        # Divide by the GLOBAL batch: apply_gradients below SUMs the replicas' gradients.
         loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
     gradients = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # all-reduce, update
     return loss
-
 
 @tf.function
 def distributed_train_step(batch):
-    per_replica_losses = strategy.run(train_step, args=(model, optimizer, *batch))
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+    per_replica_losses = strategy.run(train_step, args=batch)
+    return strategy.reduce("SUM", per_replica_losses, axis=None)  # reporting only
 
-
-dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-batch = next(iter(strategy.experimental_distribute_dataset(dataset)))  # replica r: r-th slice
-for step in range(3):
-    distributed_train_step(batch)
-
-one_device = big_batch_reference(sgd, x, y, steps=3)  # plain steps on the whole batch
-diff = check_close(weights_of(model), one_device)  # rtol = atol = 1e-6
-print(f"{R} replicas vs 1 device after 3 SGD steps: max abs diff {diff.max_abs:.1e}")
-assert mirrored_copies_agree(model.trainable_variables)  # every copy holds the same value
-assert int(optimizer.iterations.numpy()) == 3  # one optimizer step per call, not per replica
+for epoch in range(2):
+    for batch in dist_dataset:
+        loss = distributed_train_step(batch)
+    print(f"epoch {epoch}: loss {float(loss):.4f}")
 
 # %% [markdown]
-# The same loop with a stateful optimizer (momentum), an adaptive one (Adam) and
-# decoupled weight decay (AdamW) gives the one-device weights too. `run_steps`
-# (`distgrad.lab.recipes`) is the loop above on fresh variables: model and optimizer
-# under the scope, `distributed_train_step`, three steps.
+# **Check**: one device, no strategy, the same batches and the plain mean loss give the same
+# weights:
 
-# %%
-rows = []
-for name, make in OPTIMIZERS.items():
-    run = run_steps(strategy, make, x, y, train_step, steps=3)
-    rows.append((name, f"{check_close(run.final, big_batch_reference(make, x, y, steps=3)).max_abs:.1e}",
-                 run.iterations))
-    assert run.copies_agree and run.iterations == 3
-show_table(["optimizer", f"max abs diff, {R} replicas vs 1 device", "optimizer.iterations"], rows)
+# %% tags=["check"]
+# One device, no strategy: the same initial weights, the same batches, each batch's mean loss.
+reference, reference_optimizer = make_model(), keras.optimizers.SGD(0.1)
+for epoch in range(2):
+    for x_batch, y_batch in dataset:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(y_batch, reference(x_batch)))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        reference_optimizer.apply_gradients(zip(grads, reference.trainable_variables))
+for w, w_reference in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(w, w_reference, rtol=1e-6, atol=1e-6)
 
 # %% [markdown]
-# So the replicas *are* synchronized — something summed their gradients. Let us find it.
+# ## 2 · Why it works
 #
-# ## 2 · Look inside: the call path of `apply_gradients`
+# ### Where the sum happens
 #
-# `record_sync_path` spies on the functions between `apply_gradients` and the variable
-# write (in the installed Keras: `keras/src/optimizers/base_optimizer.py` and
-# `keras/src/backend/tensorflow/optimizer.py`; in TensorFlow:
-# `tensorflow/python/distribute/distribute_lib.py`) and records the distribution
-# context each call ran in. A `tf.function` runs its Python only while tracing, so we
-# trace a fresh copy of `distributed_train_step` (tracing runs nothing).
+# We trace the fix's step again with spies on the functions between `apply_gradients` and the
+# variable write (`distgrad.lab.spy`), recording the context each ran in. Tracing runs no step.
 
 # %%
+from distgrad.lab.graph import count_collectives
+from distgrad.lab.spy import record_sync_path, summarize_path
+
+R = strategy.num_replicas_in_sync  # the fix's strategy: every cell below uses it
 fresh_step = tf.function(distributed_train_step.python_function)
 _, events = record_sync_path(fresh_step.get_concrete_function, batch)
 path = summarize_path(events)
 show_table(["function (first-call order)", "context", "calls"],
-           [(f"`{function}`", context, calls) for function, context, calls in path])
-
-# %%
+           [(f"`{function}`", context, n) for function, context, n in path])
 calls = {(function, context): n for function, context, n in path}
-order = [function for function, _, _ in path]
-# apply_gradients runs once per replica, in replica context...
-assert calls[("BaseOptimizer.apply_gradients", "replica")] == R
-# ...where the TF backend asks for the SUM of the gradients: the sync point
-assert calls[("ReplicaContext.all_reduce", "replica")] == R
-# MirroredStrategy does it through merge_call: one batch_reduce_to, cross-replica context
-assert calls[("StrategyExtendedV2.batch_reduce_to", "cross-replica")] == 1
-# three merge_calls per replica: the all-reduce, the update, iterations.assign_add
-assert calls[("ReplicaContext.merge_call", "replica")] == 3 * R
-# the second merge_call runs the update once, in cross-replica context, writing every copy
-assert calls[("TFOptimizer._distributed_tf_update_step", "cross-replica")] == 1
-assert calls[("SGD.update_step", "cross-replica")] == len(model.trainable_variables) * R
-# the optimizer clips before it sums (section 5 measures what that does)
-assert order.index("BaseOptimizer._clip_gradients") < order.index("ReplicaContext.all_reduce")
-assert order.index("ReplicaContext.all_reduce") < order.index("TFOptimizer._distributed_tf_update_step")
+assert calls[("BaseOptimizer.apply_gradients", "replica")] == R  # once per replica
+assert calls[("ReplicaContext.all_reduce", "replica")] == R  # asks for the SUM: the sync
+assert calls[("StrategyExtendedV2.batch_reduce_to", "cross-replica")] == 1  # one reduction
+assert calls[("TFOptimizer._distributed_tf_update_step", "cross-replica")] == 1  # one update
 
 # %% [markdown]
-# Read top to bottom, this is the journey of a gradient: computed per replica, clipped
-# (if asked) per replica, summed by `ReplicaContext.all_reduce` *inside*
-# `apply_gradients` — which `MirroredStrategy` implements as a `merge_call` into
-# cross-replica context, where one `batch_reduce_to` reduces every replica's gradients
-# at once — then written once into every mirrored copy by a second `merge_call`:
+# `apply_gradients` asks for `ReplicaContext.all_reduce(SUM)` (Keras ≥ 3.5; older Keras 3
+# [summed nothing](../versions.md#below-the-bounds)). `MirroredStrategy` answers with a
+# `merge_call`: every replica stops, and one function runs once, in cross-replica context, where
+# one `batch_reduce_to` sums all gradients. A second `merge_call` writes the update into every
+# copy:
 #
 # <div class="diagram" data-diagram="call-path">
 #
 # [The call path of `apply_gradients`](../call-path.md#call-path)
 #
 # </div>
+
+# %% [markdown]
+# ### Deep dive · The call path in full
 #
-# ## 3 · `strategy.run` itself synchronizes nothing
-#
-# Count the collective ops in the traced graph. `distributed_train_step` has one
-# all-reduce (one `CollectiveReduceV2` per replica: the gradients are packed into one
-# reduction). The same replica step without `apply_gradients` has none, and changes no
-# weight.
+# Three `merge_call`s per replica and step (the all-reduce, the update, and
+# `iterations.assign_add`), the update of each variable written into each copy, and the
+# optimizer's clipping *before* the all-reduce (section 3 shows what that does). After the fix's
+# two epochs every copy holds the same value, and the optimizer counted one step per call of
+# `distributed_train_step`, not one per replica.
 
 # %%
-def gradients_only(model, optimizer, x, y):
-    """`train_step` without apply_gradients."""
+order = [function for function, _, _ in path]
+assert calls[("ReplicaContext.merge_call", "replica")] == 3 * R
+assert calls[("SGD.update_step", "cross-replica")] == len(model.trainable_variables) * R
+assert order.index("BaseOptimizer._clip_gradients") < order.index("ReplicaContext.all_reduce")
+assert order.index("ReplicaContext.all_reduce") < order.index(
+    "TFOptimizer._distributed_tf_update_step")
+
+from distgrad.lab.compare import mirrored_copies_agree
+
+assert mirrored_copies_agree(model.trainable_variables)  # every copy holds the same value
+steps_run, iterations = 2 * len(list(dataset)), int(optimizer.iterations.numpy())
+print(f"the fix ran {steps_run} steps (2 epochs): optimizer.iterations = {iterations}")
+assert iterations == steps_run
+
+# %% [markdown]
+# ### `strategy.run` itself synchronizes nothing
+#
+# The fix's traced step holds one all-reduce (the gradients, packed into one). The same replica
+# step without `apply_gradients` holds none, and changes no weight:
+
+# %%
+def gradients_only(x, y):  # the fix's train_step without apply_gradients
     with tf.GradientTape() as tape:
         per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
         loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
-    tape.gradient(loss, model.trainable_variables)
+    return tape.gradient(loss, model.trainable_variables)
+
+no_apply_step = tf.function(lambda batch: strategy.run(gradients_only, args=batch))
+before = model.get_weights()
+no_apply_step(batch)
+full_step, no_apply = (count_collectives(f, batch, replicas=R)
+                       for f in (distributed_train_step, no_apply_step))
+print(f"all-reduces per step: train_step {full_step.all_reduces} ({full_step.op_types}), "
+      f"gradients_only {no_apply.all_reduces}")
+assert full_step.all_reduces == 1 and no_apply.all_reduces == 0
+assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+# %% [markdown]
+# ### Divide the loss by the global batch
+#
+# The all-reduce is a **SUM**. A mean over a replica's own `GLOBAL_BATCH / R` examples weighs
+# each example R times more than the full-batch mean does, so the sum is exactly R times the
+# full-batch mean gradient: with SGD, a step R times too large. `per_replica_mean.reproduce` runs
+# one SGD step with each loss below, against one big-batch step on one device
+# (`sgd_update_ratio`):
+
+# %%
+from distgrad.lab.recipes import replica_loss, sgd_update_ratio
+from distgrad.pitfalls import per_replica_mean
+
+show_code(replica_loss)
+
+# %%
+show_code(sgd_update_ratio)
+
+# %%
+mean_record = per_replica_mean.reproduce(strategy, examples=GLOBAL_BATCH)
+print(f"SGD update vs one device: per-replica mean x{mean_record.ratio:.6f}, "
+      f"global batch x{mean_record.global_scaling_ratio:.6f}")
+assert abs(mean_record.ratio - R) < 1e-6 * R  # the update is R times the one-device update
+assert abs(mean_record.global_scaling_ratio - 1) < 1e-6  # compute_average_loss gets it right
+
+# %% [markdown]
+# ### Deep dive · What `strategy.reduce(SUM, per_replica_losses)` does and doesn't do
+#
+# It only **reports**: it moves the scalar losses to the host. With global-batch scaling each
+# replica's loss is its share of the full-batch mean, so their SUM *is* the full-batch mean
+# loss. With per-replica means the same SUM reports R times the loss. Dropping the reduce
+# changes no weight.
+#
+# This deep dive and the next ones run the fix's replica step on the lab's small model and data
+# (`tiny_model`, `regression_data`) through `distgrad.lab.recipes.run_steps` (a fresh model and
+# optimizer under the scope, `strategy.run` per step), so the step takes them as arguments:
+
+# %%
+import textwrap
+
+from distgrad.lab.compare import OPTIMIZERS, check_close, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.recipes import big_batch_reference, run_steps
+
+
+def lab_step(model, optimizer, x, y):
+    """The fix's train_step, its model and optimizer passed in."""
+    with tf.GradientTape() as tape:
+        per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
+        loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     return loss
 
 
-full_step = count_collectives(distributed_train_step, batch, replicas=R)
-no_apply = run_steps(strategy, sgd, x, y, gradients_only)
-no_apply_ops = count_collectives(no_apply.step_function, no_apply.batch, replicas=R)
-show_table(["replica function", "collective ops in the graph", "all-reduces per step"],
-           [("`train_step`", full_step.op_types, full_step.all_reduces),
-            ("`gradients_only`", no_apply_ops.op_types or "none", no_apply_ops.all_reduces)])
-assert full_step.all_reduces == 1
-assert no_apply_ops.all_reduces == 0
-assert weight_diff(no_apply.final, no_apply.initial).max_abs == 0.0
-
-# %% [markdown]
-# ## 4 · The loss must be scaled by the global batch
-#
-# The all-reduce is a **SUM**. If each replica averages its loss over its own
-# `GLOBAL_BATCH / R` examples, the sum of R such gradients is R times the full-batch
-# mean gradient. With SGD the update is then exactly R times too large: as if the
-# learning rate were multiplied by R — a classic source of "unstable losses".
-# (`per_replica_mean.reproduce` runs the same replica step with `tf.reduce_mean` in place
-# of `compute_average_loss`.)
+lab_x, lab_y = regression_data(GLOBAL_BATCH)  # the data per_replica_mean.reproduce used
+sgd = OPTIMIZERS["sgd"]  # keras.optimizers.SGD(0.1)
 
 # %%
-from distgrad.pitfalls import per_replica_mean
-
-record = per_replica_mean.reproduce(strategy, examples=GLOBAL_BATCH)
-print(f"SGD update vs one device: per-replica mean x{record.ratio:.6f}, "
-      f"global batch x{record.global_scaling_ratio:.6f}")
-assert abs(record.ratio - R) < 1e-6 * R  # the update is R times the one-device update
-assert abs(record.global_scaling_ratio - 1) < 1e-6  # compute_average_loss gets it right
-
-# %% [markdown]
-# ### What `strategy.reduce(SUM, per_replica_losses)` does and doesn't do
-#
-# It only **reports**: it moves the scalar losses to the host. With global-batch scaling
-# each replica's loss is its share of the full-batch mean, so their SUM *is* the
-# full-batch mean loss. With per-replica means the same SUM reports R times the loss.
-# Dropping the reduce changes no weight.
-
-# %%
-full_batch_loss = float(tf.reduce_mean(keras.losses.mean_squared_error(y, tiny_model()(x))))
+full_batch_loss = float(tf.reduce_mean(keras.losses.mean_squared_error(lab_y, tiny_model()(lab_x))))
 print(f"full-batch loss {full_batch_loss:.6f}")
-print(f"reported, global scaling      {record.reported_loss_global:.6f}")
-print(f"reported, per-replica mean    {record.reported_loss_per_replica_mean:.6f}")
-assert abs(record.reported_loss_global - full_batch_loss) < 1e-6 * full_batch_loss
-assert abs(record.reported_loss_per_replica_mean - R * full_batch_loss) < 1e-5 * full_batch_loss
-assert abs(record.reported_loss_per_replica_mean - R * record.reported_loss_global) < (
-    1e-6 * R * record.reported_loss_global)
+print(f"reported, global scaling      {mean_record.reported_loss_global:.6f}")
+print(f"reported, per-replica mean    {mean_record.reported_loss_per_replica_mean:.6f}")
+assert abs(mean_record.reported_loss_global - full_batch_loss) < 1e-6 * full_batch_loss
+assert abs(mean_record.reported_loss_per_replica_mean - R * full_batch_loss) < (
+    1e-5 * full_batch_loss)
+assert abs(mean_record.reported_loss_per_replica_mean - R * mean_record.reported_loss_global) < (
+    1e-6 * R * mean_record.reported_loss_global)
 
 with strategy.scope():
     quiet_model, quiet_optimizer = tiny_model(), sgd()
     quiet_optimizer.build(quiet_model.trainable_variables)
-tf.function(lambda b: strategy.run(train_step, args=(quiet_model, quiet_optimizer, *b)))(batch)
-reported = run_steps(strategy, sgd, x, y, train_step)
+lab_batch = next(iter(strategy.experimental_distribute_dataset(
+    tf.data.Dataset.from_tensor_slices((lab_x, lab_y)).batch(GLOBAL_BATCH))))
+tf.function(lambda b: strategy.run(lab_step, args=(quiet_model, quiet_optimizer, *b)))(lab_batch)
+reported = run_steps(strategy, sgd, lab_x, lab_y, lab_step)
 unreported = check_close(weights_of(quiet_model), reported.final, rtol=0, atol=0)
 print(f"without the reduce vs with it: max abs diff {unreported.max_abs}")  # bit for bit
 
 # %% [markdown]
-# ### A Keras 3 loss object is already divided by R
+# ### Deep dive · Momentum, Adam and AdamW give the one-device weights too
+#
+# The same replica step with a stateful optimizer (momentum), an adaptive one (Adam) and
+# decoupled weight decay (AdamW), three steps each, against three big-batch steps on one device:
+
+# %%
+rows = []
+for name, make in OPTIMIZERS.items():
+    run = run_steps(strategy, make, lab_x, lab_y, lab_step, steps=3)
+    diff = check_close(run.final, big_batch_reference(make, lab_x, lab_y, steps=3))  # 1e-6
+    rows.append((name, f"{diff.max_abs:.1e}", run.iterations))
+    assert run.copies_agree and run.iterations == 3
+show_table(["optimizer", f"max abs diff, {R} replicas vs 1 device", "optimizer.iterations"], rows)
+
+# %% [markdown]
+# ### Deep dive · A Keras 3 loss object is already divided by R
 #
 # The tutorial builds its per-example loss with `reduction=NONE` and divides it with
-# `compute_average_loss`. Call a Keras 3 loss object with its default reduction instead
-# and it returns the mean **divided by the replica count**: `Loss.__call__` ends in
-# `reduce_values`, which calls `scale_loss_for_distribution` (`keras/src/losses/loss.py`)
-# — `value * 1 / tf.distribute.get_strategy().num_replicas_in_sync`. On a batch whose
-# every squared error is 1:
+# `compute_average_loss`. Call a Keras 3 loss object with its default reduction instead and it
+# returns the mean **divided by the replica count**: `Loss.__call__` ends in `reduce_values`,
+# which calls `scale_loss_for_distribution` (`keras/src/losses/loss.py`), that is
+# `value * 1 / tf.distribute.get_strategy().num_replicas_in_sync`. On a batch whose every
+# squared error is 1:
 
 # %%
 from distgrad.pitfalls import loss_object_scaling
@@ -281,18 +331,18 @@ print(f"SGD step, loss object in train_step, vs one device: max abs diff "
 assert losses.sgd_step_vs_one_device.within()
 
 # %% [markdown]
-# So inside `strategy.run` the default loss object already gives the right step for an
-# evenly split batch, and the reason is the strategy *in scope*, not the replica
-# context: a validation loss computed eagerly under `strategy.scope()` is reported R
-# times too small. Use either the loss object as is, or `reduction=None` with
-# `compute_average_loss` — dividing the loss object's value by the batch or by R again
-# divides twice.
+# So inside `strategy.run` the default loss object already gives the right step for an evenly
+# split batch, and the reason is the strategy *in scope*, not the replica context: a validation
+# loss computed eagerly under `strategy.scope()` is reported R times too small. Use either the
+# loss object as is, or `reduction=None` with `compute_average_loss`: dividing the loss
+# object's value by the batch or by R again divides twice.
+
+# %% [markdown]
+# ### Deep dive · A regularization term is added on every replica
 #
-# ### A regularization term is added on every replica
-#
-# A penalty on the weights, `l2 · Σ ½‖w‖²`, is the same on every replica, so the SUM
-# all-reduce applies its gradient R times. `tf.nn.scale_regularization_loss` divides it
-# by `num_replicas_in_sync` (`tensorflow/python/ops/nn_impl_distribute.py`):
+# A penalty on the weights, `l2 · Σ ½‖w‖²`, is the same on every replica, so the SUM all-reduce
+# applies its gradient R times. `tf.nn.scale_regularization_loss` divides it by
+# `num_replicas_in_sync` (`tensorflow/python/ops/nn_impl_distribute.py`):
 
 # %%
 from distgrad.pitfalls import regularization_scaling
@@ -315,52 +365,12 @@ assert reg.cross_replica_error.type == "RuntimeError"
 assert reg.cross_replica_error.contains("cross replica context")
 
 # %% [markdown]
-# ### The smaller last batch
-#
-# `Dataset.batch(GLOBAL_BATCH)` ends an epoch with a smaller batch unless
-# `drop_remainder=True`, and `MirroredStrategy` splits it as evenly as it can. One SGD
-# step on such a batch, its loss divided three ways: by the constant `GLOBAL_BATCH`
-# (as in `train_step`); by `compute_average_loss`'s default, this replica's count × R;
-# and by the examples the step really holds on all replicas, counted with one scalar
-# all-reduce:
-
-# %%
-from distgrad.pitfalls import last_batch_scaling
-
-show_code(last_batch_scaling.global_batch_size_of)
-
-# %%
-rows = last_batch_scaling.reproduce(strategy, GLOBAL_BATCH)
-show_table(["examples", "per replica", "divided by", "update vs 1 device", "max abs diff"],
-           [(r.examples, r.per_replica, r.scaling, f"x{r.ratio:.4f}",
-             f"{r.vs_one_device.max_abs:.1e}") for r in rows])
-by = {(r.examples, r.scaling): r for r in rows}
-even, uneven = GLOBAL_BATCH // 2, GLOBAL_BATCH // 2 - 1
-assert by[even, "counted"].per_replica == (even // R,) * R  # splits evenly
-assert by[uneven, "counted"].per_replica == (even // R,) * (R - 1) + (even // R - 1,)  # does not
-for examples in (even, uneven):  # the constant shrinks the step by examples / GLOBAL_BATCH
-    assert abs(by[examples, "fixed"].ratio - examples / GLOBAL_BATCH) < 1e-6
-    assert by[examples, "counted"].vs_one_device.within()
-assert by[even, "per_replica_times_r"].vs_one_device.within()
-assert not by[uneven, "per_replica_times_r"].vs_one_device.within()  # wrong weights
-
-counted = run_steps(strategy, sgd, x, y, last_batch_scaling.make_replica_step("counted", GLOBAL_BATCH))
-counted_ops = count_collectives(counted.step_function, counted.batch, replicas=R)
-print(f"all-reduces per step, counting the examples: {counted_ops.all_reduces}")
-assert counted_ops.all_reduces == full_step.all_reduces + 1  # the count: one scalar more
-
-# %% [markdown]
-# With the constant, the last step of every epoch is smaller by `examples / GLOBAL_BATCH`;
-# with the default, replicas holding fewer examples get more weight. Count the examples
-# (one more, scalar, all-reduce per step) or drop the remainder.
-#
-# ### Can you turn the optimizer's SUM off and all-reduce yourself?
+# ### Deep dive · Can you turn the optimizer's SUM off and all-reduce yourself?
 #
 # In `tf.keras` (Keras 2) you could: `apply_gradients(..., experimental_aggregate_gradients=False)`.
-# Keras 3 removed the flag; the TensorFlow optimizer always sums in replica context. So
-# if you all-reduce the gradients yourself (say, to inspect them) and then call
-# `apply_gradients`, they are summed **twice**: the update is R times too large, and the
-# step pays two all-reduces.
+# Keras 3 removed the flag; the TensorFlow optimizer always sums in replica context. So if you
+# all-reduce the gradients yourself (say, to inspect them) and then call `apply_gradients`, they
+# are summed **twice**: the update is R times too large, and the step pays two all-reduces.
 
 # %%
 from distgrad.pitfalls import double_sum
@@ -376,20 +386,45 @@ assert abs(record.ratio - R) < 1e-6 * R
 assert record.all_reduces == 2
 
 # %% [markdown]
-# ## 5 · Where the sync happens decides what clipping sees
+# ## 3 · The packaged form
+#
+# The fix needs no class: the optimizer *is* the sync (with k micro-batches per update, the loop
+# is `distgrad.GradientAccumulator`, [lesson 02](02_accumulate_in_custom_loop.ipynb)). distgrad
+# ships one function for where Keras 3's sync goes wrong, **clipping**: the optimizer clips
+# (`clipnorm`, `global_clipnorm`) *before* its all-reduce, so each replica's part is clipped,
+# not the whole gradient. Clip the sum instead: call this between `tape.gradient` and
+# `apply_gradients`, with an optimizer that does not clip. One more all-reduce gives the norm of
+# the summed gradient G; every replica scales its part by the same `min(1, c / ‖G‖)`.
+
+# %%
+show_code(distgrad.clip_by_global_norm_across_replicas)
+
+# %% [markdown]
+# <div class="admonition warning">
+# <p class="admonition-title">Limits</p>
+#
+# * **A partial last batch.** The fix drops the epoch's leftover examples. To train on them,
+#   see [Exercise 1](#exercise-1-the-smaller-last-batch).
+# * **Clipping in the optimizer** clips each replica's part: clip the sum (section 3, measured
+#   in the [deep dive](#deep-dive-clipping-before-the-sync-measured);
+#   [the pitfall](../pitfalls.md#clip-before-sync)).
+# * **BatchNorm** in training normalizes by each replica's slice, not the global batch
+#   ([lesson 07](07_beyond_the_basics.ipynb); [the pitfall](../pitfalls.md#batchnorm-statistics)).
+#   The fix's model has none.
+#
+# </div>
+
+# %% [markdown]
+# ### Deep dive · Clipping before the sync, measured
 #
 # `BaseOptimizer._backend_apply_gradients` calls `self._clip_gradients(grads)` and *then*
-# `_backend_update_step`, whose first act is the all-reduce. Under MirroredStrategy,
-# `clipnorm` and `global_clipnorm` therefore clip each replica's **partial** gradient,
-# and the clipped parts are summed. One device clips the full gradient.
-#
-# tf-keras (Keras 2, `TF_USE_LEGACY_KERAS=1`) does it the other way round, in both its
-# optimizers: `tf.keras.optimizers.SGD.apply_gradients` calls `aggregate_gradients`
-# before the base class clips (`tf_keras/src/optimizers/optimizer.py`), and
-# `optimizers.legacy.SGD` calls `_aggregate_gradients` before `_transform_gradients`
-# (`optimizer_v2.py`). We measure both in a fresh tf-keras process
-# (`clip_before_sync.reproduce_legacy`: the same replica step, one clipped SGD step, R
-# replicas against one device).
+# `_backend_update_step`, whose first act is the all-reduce. tf-keras (Keras 2,
+# `TF_USE_LEGACY_KERAS=1`) does it the other way round, in both its optimizers:
+# `tf.keras.optimizers.SGD.apply_gradients` calls `aggregate_gradients` before the base class
+# clips (`tf_keras/src/optimizers/optimizer.py`), and `optimizers.legacy.SGD` calls
+# `_aggregate_gradients` before `_transform_gradients` (`optimizer_v2.py`). We measure both in a
+# fresh tf-keras process (`clip_before_sync.reproduce_legacy`: the same replica step, one
+# clipped SGD step, R replicas against one device).
 
 # %%
 from distgrad.pitfalls import clip_before_sync
@@ -424,96 +459,172 @@ for name, option in legacy.max_abs:  # tf-keras: replicas == one device
 assert min(legacy.full_gradient_norm, *legacy.per_replica_gradient_norms) > CLIP_NORM
 
 # %% [markdown]
-# So Keras 3's order is a **regression** from tf-keras, not a limitation that was always
-# there. TensorFlow's maintainers called clipping before aggregation "usually wrong" and
-# kept optimizer clipping disabled under strategies in TF 2.2 rather than ship it
-# (tensorflow/tensorflow#33929); tf-keras clips after the sum, as measured above.
+# So Keras 3's order is a **regression** from tf-keras, not a limitation that was always there.
+# TensorFlow's maintainers called clipping before aggregation "usually wrong" and kept optimizer
+# clipping disabled under strategies in TF 2.2 rather than ship it (tensorflow/tensorflow#33929);
+# tf-keras clips after the sum, as measured above.
 #
-# **The fix**, in `train_step`: clip the *summed* gradient yourself and give the
-# optimizer no `clipnorm`. `distgrad.clip_by_global_norm_across_replicas` all-reduces
-# once to learn the norm of the sum G, computes the clip factor `s = min(1, c / ‖G‖)`
-# (identical on every replica), and returns `s · gᵣ`; the optimizer's own SUM then
-# produces exactly `s · G`:
+# The fix's `train_step` with `clip_by_global_norm_across_replicas`, and an optimizer without
+# `clipnorm`: one step on the fix's first global batch is one device's
+# `SGD(global_clipnorm=CLIP_NORM)` step.
 
 # %%
-show_code(distgrad.clip_by_global_norm_across_replicas)
+with strategy.scope():
+    clipped_model, clipped_optimizer = make_model(), keras.optimizers.SGD(0.1)  # no clipnorm
+    clipped_optimizer.build(clipped_model.trainable_variables)
 
 
-# %%
-def clipped_train_step(model, optimizer, x, y):
-    """`train_step`, clipping the sum of the replicas' gradients to CLIP_NORM."""
+def clipped_train_step(x, y):
     with tf.GradientTape() as tape:
-        per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
+        per_example_loss = keras.losses.mean_squared_error(y, clipped_model(x, training=True))
         loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
-    gradients = tape.gradient(loss, model.trainable_variables)
-    gradients = distgrad.clip_by_global_norm_across_replicas(gradients, CLIP_NORM)
-    optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # SGD, no clipnorm
-    return loss
+    gradients = tape.gradient(loss, clipped_model.trainable_variables)
+    gradients = distgrad.clip_by_global_norm_across_replicas(gradients, CLIP_NORM)  # the line
+    clipped_optimizer.apply_gradients(zip(gradients, clipped_model.trainable_variables))
 
 
-clipped = run_steps(strategy, sgd, x, y, clipped_train_step)
+clipped_step = tf.function(lambda batch: strategy.run(clipped_train_step, args=batch))
+clipped_step(next(iter(dist_dataset)))
 clipping_sgd = lambda: keras.optimizers.SGD(0.1, global_clipnorm=CLIP_NORM)
-fixed = check_close(clipped.final, big_batch_reference(clipping_sgd, x, y))
-clipped_ops = count_collectives(clipped.step_function, clipped.batch, replicas=R)
-print(f"clip after the sum vs one device SGD(global_clipnorm={CLIP_NORM}): "
-      f"max abs diff {fixed.max_abs:.1e}")
+one_device = big_batch_reference(clipping_sgd, *next(iter(dataset)), model_factory=make_model)
+fixed = check_close(weights_of(clipped_model), one_device)  # rtol = atol = 1e-6
+print(f"clip the sum, {R} replicas vs one device: max abs diff {fixed.max_abs:.1e}")
+
+# %% [markdown]
+# That step did clip (one device's SGD update has norm `0.1 · CLIP_NORM` exactly), and clipping
+# the sum costs one all-reduce more per step:
+
+# %%
+update = [w - w0 for w, w0 in zip(one_device, make_model().get_weights())]
+print(f"one-device update norm {float(tf.linalg.global_norm(update)):.6f}")
+assert abs(float(tf.linalg.global_norm(update)) - 0.1 * CLIP_NORM) < 1e-6  # it clipped
+clipped_ops = count_collectives(clipped_step, next(iter(dist_dataset)), replicas=R)
 print(f"all-reduces per step: {clipped_ops.all_reduces} (train_step: {full_step.all_reduces})")
 assert clipped_ops.all_reduces == full_step.all_reduces + 1  # the price: one more all-reduce
 
 # %% [markdown]
 # ## Takeaways
 #
-# * `strategy.run` launches your function once per replica and synchronizes nothing.
-# * `optimizer.apply_gradients` is the sync point: an all-reduce **SUM** requested from
-#   replica context (carried out through `merge_call`), then a second `merge_call` into
-#   cross-replica context, where one update is written into every copy.
-# * Because it sums, divide each replica's loss by the **global** batch
-#   (`tf.nn.compute_average_loss`). A per-replica mean makes every step R times too large;
-#   `strategy.reduce` on the losses is reporting only.
-# * A Keras 3 loss object with its default reduction is already divided by R whenever a
-#   strategy is in scope; regularization terms need `tf.nn.scale_regularization_loss`; the
-#   last, smaller batch needs its real example count.
-# * Keras 3 always sums inside the optimizer: don't all-reduce before `apply_gradients`.
-# * Keras 3 clips per replica, before the sum (tf-keras clipped after it): clip the summed
-#   gradient yourself.
+# * `strategy.run` runs your function once per replica, in replica context; it syncs nothing.
+# * `optimizer.apply_gradients` syncs: an all-reduce SUM of the gradients, then one update
+#   written into every copy.
+# * So divide each replica's loss by the **global** batch; `strategy.reduce` only reports.
+# * Keras 3 clips each replica's part: clip the sum yourself.
 #
 # ## Exercises
 #
-# 1. In `train_step` (section 1), replace `global_batch_size=GLOBAL_BATCH` by
-#    `global_batch_size=GLOBAL_BATCH // R`, and run that cell again. Which assertion fails,
-#    and by what factor are the weights' updates off? (Section 4 has the answer.)
-# 2. Which Keras 3 reductions does `scale_loss_for_distribution` touch? Read
-#    `reduce_values` in `keras/src/losses/loss.py`, predict what the cell below prints for
-#    `reduction="sum"` and `"mean_with_sample_weight"`, and run it.
-# 3. The last cell clips at 100, above every gradient norm (the tf-keras run in section 5
-#    printed norms of a few units). Predict whether Keras 3's optimizer clipping still
-#    differs from one device, run it, then try `EXERCISE_CLIP_NORM = 1.0`.
+# ### Exercise 1 · The smaller last batch
+#
+# Remove `drop_remainder=True` from the fix: each epoch then ends with 5 examples. Compared with
+# one device's step on them, what does that last step do (a) with
+# `global_batch_size=GLOBAL_BATCH`, (b) with the default, `global_batch_size=None`? (c) How would
+# you make it exact?
+
+# %% [markdown]
+# #### Answer
+#
+# (a) The loss is divided by `GLOBAL_BATCH` although the step holds fewer examples: with SGD the
+# update is `examples / GLOBAL_BATCH` of one device's. (b) The default divides by this replica's
+# count × R (`tensorflow/python/ops/nn_impl_distribute.py`): right when the batch splits evenly;
+# otherwise replicas holding fewer examples weigh more, and the weights differ. (c) Divide by
+# the examples the step really holds on all replicas, counted with one scalar all-reduce:
 
 # %%
-EXERCISE_REDUCTION = "sum"  # try "mean_with_sample_weight", "sum_over_batch_size", None
-loss_object = keras.losses.MeanSquaredError(reduction=EXERCISE_REDUCTION)
-values = strategy.run(lambda yt: loss_object(tf.zeros_like(yt), tf.ones_like(yt)),
-                      args=(batch[1],))
-print(EXERCISE_REDUCTION, "->", [np.round(v.numpy(), 4).tolist()
-                                 for v in strategy.experimental_local_results(values)])
+from distgrad.pitfalls import last_batch_scaling
+
+show_code(last_batch_scaling.global_batch_size_of)
+
+# %% [markdown]
+# One SGD step on a last batch of `GLOBAL_BATCH / 2` examples (splits evenly) and of one fewer
+# (does not), the loss divided each of the three ways: by the constant `GLOBAL_BATCH`
+# ("fixed"), by the default ("per_replica_times_r"), and by the count ("counted"):
 
 # %%
-EXERCISE_CLIP_NORM = 100.0  # above every gradient norm: nothing is clipped
-exercise = clip_before_sync.reproduce(strategy, "global_clipnorm", EXERCISE_CLIP_NORM,
-                                      examples=GLOBAL_BATCH)
-print(f"clip at {EXERCISE_CLIP_NORM}: Keras 3 optimizer clipping vs one device, max abs diff "
-      f"{exercise.optimizer_clipping_vs_one_device.max_abs:.1e}")
+rows = last_batch_scaling.reproduce(strategy, GLOBAL_BATCH)
+show_table(["examples", "per replica", "divided by", "update vs 1 device", "max abs diff"],
+           [(r.examples, r.per_replica, r.scaling, f"x{r.ratio:.4f}",
+             f"{r.vs_one_device.max_abs:.1e}") for r in rows])
+by = {(r.examples, r.scaling): r for r in rows}
+even, uneven = GLOBAL_BATCH // 2, GLOBAL_BATCH // 2 - 1
+assert by[even, "counted"].per_replica == (even // R,) * R  # splits evenly
+assert by[uneven, "counted"].per_replica == (even // R,) * (R - 1) + (even // R - 1,)  # does not
+for examples in (even, uneven):  # the constant shrinks the step by examples / GLOBAL_BATCH
+    assert abs(by[examples, "fixed"].ratio - examples / GLOBAL_BATCH) < 1e-6
+    assert by[examples, "counted"].vs_one_device.within()
+assert by[even, "per_replica_times_r"].vs_one_device.within()
+assert not by[uneven, "per_replica_times_r"].vs_one_device.within()  # wrong weights
+
+counted = run_steps(strategy, sgd, lab_x, lab_y,
+                    last_batch_scaling.make_replica_step("counted", GLOBAL_BATCH))
+counted_ops = count_collectives(counted.step_function, counted.batch, replicas=R)
+print(f"all-reduces per step, counting the examples: {counted_ops.all_reduces}")
+assert counted_ops.all_reduces == full_step.all_reduces + 1  # the count: one scalar more
+
+# %% [markdown]
+# Count the examples (one more, scalar, all-reduce per step) or drop the remainder, as the fix
+# does.
+
+# %% [markdown]
+# ### Exercise 2 · Which Keras 3 reductions are divided by R?
+#
+# Read `reduce_values` in `keras/src/losses/loss.py`. On a batch whose every squared error is 1,
+# what does `keras.losses.MeanSquaredError(reduction=...)` return on each replica inside
+# `strategy.run`, for `"sum"` and for `"mean_with_sample_weight"`?
+
+# %% [markdown]
+# #### Answer
+#
+# `reduce_values` calls `scale_loss_for_distribution` only for `"sum_over_batch_size"`,
+# `"mean"` and `"mean_with_sample_weight"`. `"sum"` is not divided by R: each replica returns the
+# sum over its own `GLOBAL_BATCH / R` examples. `None` returns the per-example losses.
+
+# %%
+def loss_on_each_replica(reduction):
+    loss_object = keras.losses.MeanSquaredError(reduction=reduction)
+    values = strategy.run(lambda yt: loss_object(tf.zeros_like(yt), tf.ones_like(yt)),
+                          args=(batch[1],))
+    return [float(v.numpy()) for v in strategy.experimental_local_results(values)]
+
+
+for reduction in ("sum", "mean_with_sample_weight", "sum_over_batch_size"):
+    print(f"{reduction:>24} -> {loss_on_each_replica(reduction)}")
+np.testing.assert_allclose(loss_on_each_replica("sum"), [GLOBAL_BATCH / R] * R, rtol=1e-6)
+np.testing.assert_allclose(loss_on_each_replica("mean_with_sample_weight"), [1 / R] * R, rtol=1e-6)
+np.testing.assert_allclose(loss_on_each_replica("sum_over_batch_size"), [1 / R] * R, rtol=1e-6)
+
+# %% [markdown]
+# ### Exercise 3 · A clip norm between the parts and the whole
+#
+# The clipping deep dive printed the gradient's norm and each replica's part's. Set
+# `global_clipnorm` between the largest part and the whole: does Keras 3 under the strategy
+# still differ from one device? And at 100, above every norm?
+
+# %% [markdown]
+# #### Answer
+#
+# Between the two, one device clips (the full norm is above `clip_norm`) and no replica does
+# (every part is below it): Keras 3 applies the unclipped sum, a larger step than one device's.
+# At 100 nobody clips, and the two agree: the difference comes from clipping alone.
+
+# %%
+between = (max(legacy.per_replica_gradient_norms) + legacy.full_gradient_norm) / 2
+assert max(legacy.per_replica_gradient_norms) < between < legacy.full_gradient_norm
+for clip_norm in (between, 100.0):
+    result = clip_before_sync.reproduce(strategy, "global_clipnorm", clip_norm,
+                                        examples=GLOBAL_BATCH)
+    print(f"clip at {clip_norm:.2f}: Keras 3 optimizer clipping vs one device, max abs diff "
+          f"{result.optimizer_clipping_vs_one_device.max_abs:.1e}")
+    assert result.optimizer_clipping_vs_one_device.within() == (clip_norm == 100.0)
+    assert result.clip_after_sync_vs_one_device.within()  # clipping the sum: always right
 
 # %% [markdown]
 # ## Further reading
 #
-# * TensorFlow guide, *Custom training with tf.distribute.Strategy* (the tutorial quoted
-#   in the question).
-# * `tf.distribute.ReplicaContext.merge_call` and `all_reduce`, `tf.nn.compute_average_loss`,
-#   `tf.nn.scale_regularization_loss` API docs.
-# * tensorflow/tensorflow#33929 — clipping under distribution strategies, before or after
-#   aggregation.
-# * Installed source: `keras/src/backend/tensorflow/optimizer.py`
-#   (`_backend_update_step`, `_all_reduce_sum_gradients`), `keras/src/losses/loss.py`
-#   (`scale_loss_for_distribution`), `tensorflow/python/distribute/mirrored_run.py`
-#   (`_MirroredReplicaContext._merge_call`).
+# * TensorFlow guide, *Custom training with tf.distribute.Strategy* (the question's tutorial).
+# * API docs: `tf.distribute.ReplicaContext` (`merge_call`, `all_reduce`),
+#   `tf.nn.compute_average_loss`, `tf.nn.scale_regularization_loss`.
+# * tensorflow/tensorflow#33929: clipping before or after aggregation.
+# * keras-team/keras#19969 (relanded as #20051): Keras 3 sums the replicas' gradients from 3.5.
+# * Installed source: `keras/src/backend/tensorflow/optimizer.py` (`_backend_update_step`),
+#   `keras/src/losses/loss.py` (`scale_loss_for_distribution`),
+#   `tensorflow/python/distribute/mirrored_run.py` (`_MirroredReplicaContext._merge_call`).

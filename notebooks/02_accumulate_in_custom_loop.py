@@ -16,63 +16,162 @@
 # %% [markdown]
 # # 02 · Accumulating gradients in a custom loop under `MirroredStrategy`
 #
-# **The question** ([asked in Spanish, TF 2.x](../questions.md#q2)). A model grew and no
-# longer fits on the GPUs with the old batch size; smaller batches make the gradient
-# noisy. Can you accumulate gradients over several batches under `MirroredStrategy`? The
-# user tried the obvious loop
+# **The question** ([asked in Spanish, TF 2.x](../questions.md#q2)). The model outgrew
+# the GPUs, and smaller batches made the gradient noisy: can you accumulate gradients over
+# several batches under `MirroredStrategy`? Adding up what `strategy.run(train_step)`
+# returns and calling `apply_gradients` once fails: TensorFlow says gradients must be
+# applied inside `strategy.run` ([the loop, reproduced](#deep-dive-the-questions-loop-reproduced)).
 #
-# ```python
-# for b in batches:
-#     per_replica_gradients = strategy.run(fn=self.train_step, args=(model, data))
-#     total_gradient += per_replica_gradients
-# optimizer.apply_gradients(zip(total_gradient, model.trainable_variables))
-# ```
-#
-# and TensorFlow answered that gradients must be applied inside `strategy.run`. The
-# posted answer keeps a list of accumulator variables, runs `strategy.experimental_run_v2`,
-# sums `experimental_local_results`, divides by the number of steps and applies.
-#
-# **Short answer.** Yes, and it costs *one* all-reduce per update. Keep the question's
-# `strategy.run(fn=train_step, ...)`, but let `train_step` add its gradients to a
-# replica-local buffer (a `SyncOnRead` variable: no communication) instead of returning
-# them; divide every micro-batch loss by the global batch of the *whole update*; and
-# apply once per k micro-batches with a second `strategy.run`, where the optimizer's own
-# SUM all-reduce is the single sync. Below we reproduce the question and the posted
-# answer, write that loop, prove that it equals one big-batch step, and then use its
-# packaged form, `distgrad.GradientAccumulator`.
+# **Short answer.** Yes, with *one* all-reduce per update. Code inside `strategy.run`
+# runs once on each device, in **replica context**; the loop around it is in
+# **cross-replica context**, where each result is a `PerReplica` value (one tensor per
+# device) that `+` cannot add and `apply_gradients` cannot all-reduce. So sum inside
+# `strategy.run`, into replica-local buffers (no communication), each loss divided by
+# the examples of the whole *update*; every k micro-batches, a second `strategy.run`
+# applies the buffers, and the optimizer's all-reduce is the update's one sync.
 
 # %%
 import distgrad
+import tensorflow as tf
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
-
 from distgrad.lab.display import show_code, show_environment, show_table
-
+tf.get_logger().setLevel("ERROR")  # quiet TensorFlow's INFO lines (strategies, retracing)
 show_environment(distgrad.environment_report(strategy))
+
+# %% [markdown]
+# ## 1 · The fix
+#
+# The question's loop with the sum inside `strategy.run`, over a `tf.data` pipeline: two
+# epochs of 300 examples, 8 per replica per micro-batch, k = 4. Each epoch's leftover
+# micro-batches make a smaller last update, their losses divided by the examples they
+# hold, as one device treats a smaller last batch. It runs pasted into a file.
+
+# %% tags=["fix"]
+import keras
+import numpy as np
+import tensorflow as tf
+
+# Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
+cpu = tf.config.list_physical_devices("CPU")[0]
+if not (tf.config.list_physical_devices("GPU") or tf.config.get_logical_device_configuration(cpu)):
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.experimental.enable_tensor_float_32_execution(False)  # exact float32 for the check
+devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+strategy = tf.distribute.MirroredStrategy(devices)
+
+N, PER_REPLICA, K, EPOCHS = 300, 8, 4, 2  # examples per epoch, micro-batch per replica, k
+MICRO = PER_REPLICA * strategy.num_replicas_in_sync  # one micro-batch, all replicas
+UPDATE = K * MICRO  # examples in one full update: the big batch that does not fit
+x = np.random.default_rng(0).normal(size=(N, 4)).astype("float32")
+y = np.sin(x).sum(axis=1, keepdims=True)
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO)  # last micro-batch smaller
+dist_dataset = strategy.experimental_distribute_dataset(dataset)
+
+def make_model():  # seeded: the check below builds the same initial weights
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([keras.Input((4,)),
+                             keras.layers.Dense(16, "tanh", kernel_initializer=init(seed=0)),
+                             keras.layers.Dense(1, kernel_initializer=init(seed=1))])
+
+with strategy.scope():
+    model, optimizer = make_model(), keras.optimizers.Adam(0.01)
+    optimizer.build(model.trainable_variables)  # its slots now, not inside the traced apply
+    sums = [tf.Variable(tf.zeros_like(v), trainable=False,  # one copy per replica
+                        synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.SUM) for v in model.trainable_variables]
+
+def add_gradients(batch, examples):  # on each replica; nothing leaves the device
+    features, targets = batch  # features may be nested; with several outputs, add their losses
+    with tf.GradientTape() as tape:
+        per_example = keras.losses.mean_squared_error(targets, model(features, training=True))
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=examples)
+    for total, gradient in zip(sums, tape.gradient(loss, model.trainable_variables)):
+        total.assign_add(gradient)  # this replica's copy only
+
+def apply_sums():  # on each replica, its own sums: the optimizer's SUM all-reduce adds them
+    optimizer.apply_gradients(zip([s.read_value() for s in sums], model.trainable_variables))
+    for total in sums:
+        total.assign(tf.zeros_like(total))
+
+accumulate = tf.function(lambda batch, examples: strategy.run(add_gradients, (batch, examples)))
+apply = tf.function(lambda: strategy.run(apply_sums))
+for epoch in range(EPOCHS):
+    for step, batch in enumerate(dist_dataset):
+        examples = min(UPDATE, N - step // K * UPDATE)  # in this update: fewer in the last
+        accumulate(batch, tf.constant(examples))
+        if step % K == K - 1:
+            apply()
+    if step % K != K - 1:  # the epoch's leftover micro-batches: one smaller update
+        apply()
+
+# %% [markdown]
+# **The check:** the same epochs on one device, one big batch per update, no strategy.
+
+# %% tags=["check"]
+one, one_optimizer = make_model(), keras.optimizers.Adam(0.01)  # one device, no strategy
+for epoch in range(EPOCHS):
+    for bx, by in tf.data.Dataset.from_tensor_slices((x, y)).batch(UPDATE):  # last one smaller
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(by, one(bx, training=True)))
+        one_optimizer.apply_gradients(zip(tape.gradient(loss, one.trainable_variables),
+                                          one.trainable_variables))
+for accumulated, big_batch in zip(model.get_weights(), one.get_weights()):
+    np.testing.assert_allclose(accumulated, big_batch, rtol=1e-6, atol=1e-6)
+print(f"{int(optimizer.iterations.numpy())} updates on {len(devices)} replicas == big batch")
+
+# %% [markdown]
+# ## 2 · Why it works
+#
+# **Where the sum lives.** Created under the scope with `synchronization=ON_READ,
+# aggregation=SUM`, a buffer is a `SyncOnReadVariable`: one copy per replica, which
+# `assign_add` in replica context changes alone; read in cross-replica context, it is
+# the SUM of its copies.
+#
+# **What the loss is divided by.** The buffers sum over k micro-batches, the
+# all-reduce over R replicas. With $B$ the examples of the update,
+#
+# $$\sum_{j=1}^{k}\sum_{r=1}^{R} \nabla \frac{1}{B}\sum_{i \in (j, r)} \ell_i
+#   = \nabla \frac{1}{B}\sum_{i=1}^{B} \ell_i ,$$
+#
+# the big batch's mean gradient.
+#
+# **Where the apply runs.** In a second `strategy.run`: each replica passes its sums to
+# `optimizer.apply_gradients`, whose SUM all-reduce
+# (`TFOptimizer._all_reduce_sum_gradients`) adds them before one update of the mirrored
+# weights. Python decides when, so nothing traced branches on the micro-step.
+# `optimizer.build` creates Adam's slots before that function is traced
+# ([otherwise it fails](#deep-dive-where-optimizer-state-is-created)).
+
+# %% [markdown]
+# ### Deep dive · The experiments' set-up: the fix as a function
+#
+# The proofs below need fresh loops for several optimizers, k and loss divisors, on a
+# small problem whose big batch is one update: `build_accumulating_loop` is the fix
+# cell's model, buffers and two functions, with those as arguments (the model is
+# `lab.data.tiny_model`, the loss the fix's). From here on the lesson uses the fix cell's
+# `strategy` only: two `MirroredStrategy` objects over the same devices number their
+# collectives alike, and must not both run them in one process.
 
 # %%
 import tempfile
 import textwrap
 import types
 
-import keras
 import matplotlib.pyplot as plt
-import numpy as np
-import tensorflow as tf
 
 from distgrad.lab.compare import (OPTIMIZERS, check_close, check_not_close, update_ratio,
                                   updates, weights_of)
 from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import count_collectives, graph_op_types
+from distgrad.lab.graph import ALL_REDUCE_OP_TYPES, count_collectives, graph_op_types
 from distgrad.lab.recipes import big_batch_reference
 from distgrad.pitfalls import lazy_slot_creation, outside_strategy_run
 
-# Every experiment below builds fresh tf.functions on purpose; silence the retracing notes.
-tf.get_logger().setLevel("ERROR")
+R = strategy.num_replicas_in_sync  # the fix's strategy (all your GPUs)
 EXAMPLES = 8 * R  # the big batch of one update: divisible by k * R for k in 1, 2, 4
-x, y = regression_data(EXAMPLES)
+x, y = regression_data(EXAMPLES)  # 4 features, 1 output: lab.data.tiny_model's problem
 sgd, adam = OPTIMIZERS["sgd"], OPTIMIZERS["adam"]  # SGD(0.1), Adam(0.01)
 
 
@@ -82,8 +181,290 @@ def full_batch_loss(weights):
     model.set_weights(weights)
     return float(tf.reduce_mean(keras.losses.mean_squared_error(y, model(x))))
 
+
+def build_accumulating_loop(make_optimizer, divide_by, make_model=tiny_model,
+                            synchronization=tf.VariableSynchronization.ON_READ):
+    """The fix cell's model, optimizer, buffers and its two tf.functions."""
+    with strategy.scope():
+        model = make_model()
+        optimizer = make_optimizer()
+        optimizer.build(model.trainable_variables)  # optimizer state now, not in a trace
+        accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                    synchronization=synchronization,
+                                    aggregation=tf.VariableAggregation.SUM)
+                        for v in model.trainable_variables]
+
+    def train_step(model, data):  # the question's fn, run on every replica
+        x, y = data
+        with tf.GradientTape() as tape:
+            per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=divide_by)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        for accumulator, gradient in zip(accumulators, gradients):
+            accumulator.assign_add(gradient)  # this replica's copy: no communication
+        return loss
+
+    def apply_step(model):  # every replica: its local sums; the optimizer's SUM syncs them
+        local_sums = [accumulator.read_value() for accumulator in accumulators]
+        optimizer.apply_gradients(zip(local_sums, model.trainable_variables))
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator))
+
+    @tf.function
+    def accumulate(data):
+        per_replica_losses = strategy.run(fn=train_step, args=(model, data))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    @tf.function
+    def apply():
+        strategy.run(fn=apply_step, args=(model,))
+
+    return types.SimpleNamespace(model=model, optimizer=optimizer, accumulators=accumulators,
+                                 accumulate=accumulate, apply=apply)
+
+
+def micro_batches_of(x, y, k):
+    """The k distributed micro-batches of one update (replica r gets the r-th slice)."""
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x) // k)
+    return list(strategy.experimental_distribute_dataset(dataset))
+
+
+def train(make_optimizer, k, updates, divide_by=EXAMPLES, apply_every_micro_step=False,
+          make_model=tiny_model):
+    """`updates` passes over the big batch; weights after each, and the reported losses."""
+    loop = build_accumulating_loop(make_optimizer, divide_by, make_model)
+    loop.weights, loop.reported = [], []
+    batches = micro_batches_of(x, y, k)
+    for _ in range(updates):
+        reported = 0.0
+        for data in batches:
+            reported += float(loop.accumulate(data))
+            if apply_every_micro_step:
+                loop.apply()
+        if not apply_every_micro_step:
+            loop.apply()
+        loop.weights.append(weights_of(loop.model))
+        loop.reported.append(reported)
+    return loop
+
+
+def draw_timeline(applies, per_micro_batch, per_update):
+    """One row per schedule: micro-steps, all-reduces, updates (`applies`: the micro-step
+    indices, from 0, after which the loop applies; the last one ends the epoch)."""
+    steps = max(max(after) for after in applies.values()) + 1
+    fig, axes = plt.subplots(len(applies), 1, figsize=(8, 1.7 * len(applies)), sharex=True)
+    micro = np.arange(1, steps + 1)
+    for ax, (label, after) in zip(axes, applies.items()):
+        apply_at = np.asarray(after) + 1.5
+        ax.broken_barh([(m - 0.4, 0.8) for m in micro], (1.6, 0.8), color="#9ecae1")
+        reduce_at = np.concatenate([np.repeat(micro, per_micro_batch),
+                                    np.repeat(apply_at, per_update)])
+        ax.scatter(reduce_at, np.full(len(reduce_at), 1.0), marker="v", s=40, color="#d62728")
+        for n, at in enumerate(apply_at, start=1):
+            ax.text(at, 0.3, str(n), ha="center", va="center", fontsize=8,
+                    bbox={"boxstyle": "circle,pad=0.2", "fc": "white", "ec": "black"})
+        ax.set_yticks([2.0, 1.0, 0.3], ["micro-steps\n(all replicas)", "all-reduces", "updates"])
+        ax.set_ylim(-0.1, 2.6)
+        ax.set_title(f"{label}: {len(reduce_at)} all-reduces, {len(after)} updates",
+                     fontsize=10)
+    axes[-1].set_xlabel(f"micro-batch of one epoch (k = {K}, each split over R = {R} replicas)")
+    plt.tight_layout()
+    plt.show()
+
+
+assert EXAMPLES % (K * R) == 0, "the small problem needs k in 1, 2, 4, 8"
+micro_batches = micro_batches_of(x, y, K)  # one update of the small problem, k = 4
+
 # %% [markdown]
-# ## 1 · Reproduce the question's loop
+# ### k micro-batches on R replicas == one big-batch step
+#
+# `train(optimizer, k, updates)` runs the fix's loop on a small problem,
+# `big_batch_reference` the check's one-device loop. Three optimizers, after 1 and 3
+# updates, at float32 tolerances (1e-6):
+
+# %%
+rows = []
+for name in ("sgd", "momentum", "adam"):
+    references = [big_batch_reference(OPTIMIZERS[name], x, y, steps=n) for n in (1, 3)]
+    for k in (1, 2, 4):
+        run = train(OPTIMIZERS[name], k, updates=3)
+        after_1, after_3 = (check_close(run.weights[n], ref) for n, ref in zip((0, 2), references))
+        assert int(run.optimizer.iterations.numpy()) == 3
+        rows.append((name, k, f"{after_1.max_abs:.1e}", f"{after_3.max_abs:.1e}"))
+show_table(["optimizer", "k", "max abs diff after 1 update", "after 3"], rows)
+
+# %% [markdown]
+# ### One all-reduce per update
+#
+# Counted in the graphs of the fix's two functions: `accumulate` has no all-reduce,
+# `apply` one (all gradients packed together). Stepping after every micro-batch would
+# pay one per micro-batch, for k times as many updates.
+
+# %%
+def all_reduces(function, *args):  # all-reduce ops in the traced graph, per replica
+    op_types = graph_op_types(function.get_concrete_function(*args).graph.as_graph_def())
+    return sum(n for op, n in op_types.items() if op in ALL_REDUCE_OP_TYPES) // R
+
+per_micro_batch = all_reduces(accumulate, next(iter(dist_dataset)), tf.constant(UPDATE))
+per_update = all_reduces(apply)
+assert (per_micro_batch, per_update) == (0, 1)
+steps = len(dataset)  # micro-batches in one epoch of the fix
+applies = [s for s in range(steps) if s % K == K - 1 or s == steps - 1]  # the fix's
+draw_timeline({"the fix": applies, "stepping every micro-batch": list(range(steps))},
+              per_micro_batch, per_update)
+
+# %% [markdown]
+# ## 3 · The packaged form: `GradientAccumulator`
+#
+# The fix's buffers, plus what real models need (pinned in `tests/test_accumulator.py`):
+# a checkpointed micro-step counter, float32 buffers for float16 weights, `None`
+# gradients skipped, `tf.IndexedSlices` summed densely
+# ([what Adam does with them](07_beyond_the_basics.ipynb#deep-dive-sparse-gradients-the-same-gradient-two-adam-updates)),
+# errors for misuse. `add`
+# replaces the fix's `assign_add` loop, `make_apply_step(optimizer)` its apply:
+
+# %%
+with strategy.scope():
+    packaged, packaged_optimizer = make_model(), keras.optimizers.Adam(0.01)
+    accumulator = distgrad.GradientAccumulator(packaged.trainable_variables)
+
+def add_to_accumulator(batch, examples):  # the fix's add_gradients, with `add`
+    features, targets = batch
+    with tf.GradientTape() as tape:
+        per_example = keras.losses.mean_squared_error(targets, packaged(features, training=True))
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=examples)
+    accumulator.add(tape.gradient(loss, packaged.trainable_variables))
+
+add_micro_batch = tf.function(lambda b, n: strategy.run(add_to_accumulator, (b, n)))
+apply_step = accumulator.make_apply_step(packaged_optimizer)
+for epoch in range(EPOCHS):
+    for step, batch in enumerate(dist_dataset):
+        add_micro_batch(batch, tf.constant(min(UPDATE, N - step // K * UPDATE)))
+        if step % K == K - 1 or step == steps - 1:  # every k, and at the epoch's end
+            assert accumulator.micro_steps == step % K + 1
+            apply_step()
+same = check_close(weights_of(packaged), weights_of(model))  # the fix's weights
+print(f"GradientAccumulator vs the fix, {EPOCHS} epochs: max abs diff {same.max_abs:.1e}")
+assert accumulator.micro_steps == 0 and all_reduces(apply_step.function) == 1
+assert int(packaged_optimizer.iterations.numpy()) == int(optimizer.iterations.numpy())
+
+# %% [markdown]
+# <div class="admonition warning">
+# <p class="admonition-title">Limits</p>
+#
+# * **An epoch's partial last update**: divide its losses by the examples it holds, as
+#   the fix does; the full `UPDATE` shrinks it
+#   ([pitfall](../pitfalls.md#last-batch-scaling), measured in
+#   [lesson 01's Exercise 1](01_where_gradients_sync.ipynb#exercise-1-the-smaller-last-batch)).
+# * **BatchNorm** normalizes each micro-batch on each replica, not the big batch
+#   ([lesson 07](07_beyond_the_basics.ipynb#deep-dive-batchnorm-statistics-are-per-forward-pass)).
+# * **Dropout** draws other masks in k·R small passes than in one big one: a big-batch
+#   step in distribution, not bit for bit ([deep dive](#deep-dive-dropout-draws-other-masks)).
+#
+# </div>
+#
+# ## Takeaways
+#
+# * Sum gradients inside `strategy.run`, into replica-local `SyncOnRead` buffers.
+# * Apply every k micro-batches in a second `strategy.run`: one all-reduce per update.
+# * Divide each loss by the examples of the whole update (fewer in an epoch's last one).
+# * Build the optimizer under the scope before the apply is traced.
+
+# %% [markdown]
+# ## Exercises
+#
+# ### Exercise 1 · The micro-batch divisor
+#
+# In the fix, divide each loss by `MICRO` (right for plain small-batch training) instead
+# of the update's examples. By what factor is a full update's gradient off?
+
+# %% [markdown]
+# #### Answer
+#
+# k = 4 times: the buffers add k micro-batch means (the epoch's last update is off by its
+# examples / `MICRO`). The [wrong-divisors deep dive](#deep-dive-the-wrong-divisors-measured)
+# measures all three divisors; here, the SGD step on the small problem:
+
+# %%
+reference_update = updates(big_batch_reference(sgd, x, y), tiny_model().get_weights())
+exercise = train(sgd, K, updates=1, divide_by=EXAMPLES // K)
+ratio = update_ratio(updates(exercise.weights[0], tiny_model().get_weights()), reference_update)
+print(f"loss / {EXAMPLES // K}: SGD update x{ratio:.4f} of one big-batch step")
+assert abs(ratio - K) < 1e-6 * K
+
+# %% [markdown]
+# ### Exercise 2 · Mirrored buffers
+#
+# In a pasted copy of the fix and check, create the buffers with
+# `synchronization=ON_WRITE` (keep `aggregation=SUM`). Where does each micro-step's sum
+# happen now, and by what factor is the update off?
+
+# %% [markdown]
+# #### Answer
+#
+# A `MirroredVariable` updated in replica context with `aggregation=SUM` sums the R
+# values in a `merge_call` at every micro-step (one more `AddN` per variable in
+# `accumulate`: the R gradients meet on one device). `read_value()` in the apply then
+# returns that sum on every replica, and the optimizer sums it again: R times the
+# big-batch gradient, and the check fails. The same change in the small problem's loop:
+
+# %%
+def add_n_ops(loop):
+    graph = loop.accumulate.get_concrete_function(micro_batches[0]).graph.as_graph_def()
+    return graph_op_types(graph)["AddN"]
+
+
+mirrored = build_accumulating_loop(sgd, EXAMPLES,
+                                   synchronization=tf.VariableSynchronization.ON_WRITE)
+replica_local = build_accumulating_loop(sgd, EXAMPLES)
+print(f"AddN ops in accumulate: {add_n_ops(mirrored)} with "
+      f"{type(mirrored.accumulators[0]).__name__} buffers, "
+      f"{add_n_ops(replica_local)} with SyncOnRead ones")
+assert add_n_ops(mirrored) - add_n_ops(replica_local) == len(mirrored.accumulators)
+for data in micro_batches:
+    mirrored.accumulate(data)
+mirrored.apply()
+ratio = update_ratio(updates(weights_of(mirrored.model), tiny_model().get_weights()),
+                     reference_update)
+print(f"SGD update x{ratio:.4f} of one big-batch step")
+assert abs(ratio - R) < 1e-6 * R
+
+# %% [markdown]
+# ### Exercise 3 · Build the optimizer later
+#
+# In a pasted copy of the fix, delete `optimizer.build(...)`. What happens, and would
+# plain SGD run?
+
+# %% [markdown]
+# #### Answer
+#
+# On this TensorFlow and Keras with 2+ replicas the first `apply()` raises
+# `InvalidArgumentError: You must feed a value for placeholder tensor ...`: Adam creates
+# its slots while the apply is traced, and TensorFlow then loses the all-reduce's
+# call-time keys. SGD has no slots and runs. The
+# [deep dive](#deep-dive-where-optimizer-state-is-created) reproduces both.
+
+# %% [markdown]
+# ## Further reading
+#
+# * keras-team/keras#23085 (optimizer slots traced under tf.distribute), fixed by #23087.
+# * tensorflow/tensorflow#32176: gradient accumulation for distribution strategies.
+# * OpenNMT-tf's `GradientAccumulator` and trainer: the two-function structure.
+# * [Custom training with tf.distribute.Strategy](https://www.tensorflow.org/tutorials/distribute/custom_training).
+# * `tf.VariableSynchronization`, `tf.VariableAggregation`; installed source
+#   `tensorflow/python/distribute/values.py` (`SyncOnReadVariable`).
+
+# %% [markdown]
+# ## Deep dive · The question's loop, reproduced
+#
+# The question's loop:
+#
+# ```python
+# for b in batches:
+#     per_replica_gradients = strategy.run(fn=self.train_step, args=(model, data))
+#     total_gradient += per_replica_gradients
+# optimizer.apply_gradients(zip(total_gradient, model.trainable_variables))
+# ```
 #
 # Called from cross-replica context (your Python loop, or a `tf.function` around
 # `strategy.run`), `strategy.run` returns one **`PerReplica`** value per gradient: a
@@ -135,7 +516,21 @@ assert "`apply_gradients() cannot be called in cross-replica context" in legacy.
 assert "Use `tf.distribute.Strategy.run` to enter replica context" in legacy.message
 
 # %% [markdown]
-# ## 2 · The posted answer, as far as it runs
+# `GradientAccumulator` refuses the question's mistake with a message that says what to
+# do:
+
+# %%
+try:
+    with strategy.scope():  # cross-replica context: the question's mistake
+        accumulator.add([tf.zeros_like(v) for v in packaged.trainable_variables])
+except RuntimeError as err:
+    misuse = err
+print(textwrap.fill(f"add() outside strategy.run -> RuntimeError: {misuse}", 90,
+                    subsequent_indent="  "))
+assert "must run in replica context" in str(misuse)
+
+# %% [markdown]
+# ## Deep dive · The posted answer, as far as it runs
 #
 # Its first line of TensorFlow no longer exists: `experimental_run_v2` was renamed
 # `run` in TF 2.2 (tensorflow/tensorflow#37551) and the old name was gone by TF 2.4
@@ -152,13 +547,15 @@ assert "Use `tf.distribute.Strategy.run` to enter replica context" in legacy.mes
 # numbers. The answer says nothing about loss scaling; with a per-replica mean
 # (`tf.reduce_mean` of the replica's per-example losses) the sum over replicas is R times
 # the mean gradient, and the answer's `/ k` leaves it so. (A Keras 3 loss *object* is
-# scaled differently: [lesson 01, section 4](01_where_gradients_sync.ipynb).)
+# scaled differently:
+# [lesson 01's deep dive](01_where_gradients_sync.ipynb#deep-dive-a-keras-3-loss-object-is-already-divided-by-r).)
 
 # %%
 answer = outside_strategy_run.reproduce_posted_answer(strategy, accumulation_steps=2,
                                                       examples=EXAMPLES)
 show_table(["the posted answer", "on this TensorFlow"], [
-    ("`strategy.experimental_run_v2`", f"{answer.run_v2_error.type}: {last_line(answer.run_v2_error)}"),
+    ("`strategy.experimental_run_v2`",
+     f"{answer.run_v2_error.type}: {last_line(answer.run_v2_error)}"),
     ("its accumulators", answer.accumulator_type),
     ("apply under `strategy.scope()`", last_line(answer.apply_in_scope_error)),
     ("accumulated / k vs the true gradient", f"x{answer.gradient_ratio:.6f}"),
@@ -180,97 +577,15 @@ assert abs(answer.update_ratio_global_micro_batch - 1) < 1e-6
 # %% [markdown]
 # So the answer computes the right thing only if the loss is already scaled by the
 # global micro batch, only outside the strategy scope, and with cross-device copies at
-# every micro-step. Let us put the state in the right place instead.
-#
-# ## 3 · The fix: replica-local buffers, applied inside `strategy.run`
-#
-# Three decisions, each a few lines below:
-#
-# 1. **Where the sum lives.** One buffer per model variable, created under the scope as
-#    `tf.Variable(synchronization=ON_READ, aggregation=SUM)`. MirroredStrategy turns it
-#    into a `SyncOnReadVariable`: one independent copy per replica. `assign_add` in
-#    replica context touches only the local copy — no communication; read in
-#    cross-replica context, the variable is the SUM of its copies.
-# 2. **What each micro-batch loss is divided by.** Two sums stand between a micro-batch
-#    loss and the applied gradient: the buffers sum over k micro-steps, the optimizer
-#    sums over R replicas. With B = micro batch per replica × R × k examples in the
-#    update,
-#
-#    $$\sum_{j=1}^{k}\sum_{r=1}^{R} \nabla \frac{1}{B}\sum_{i \in (j, r)} \ell_i
-#      = \nabla \frac{1}{B}\sum_{i=1}^{B} \ell_i ,$$
-#
-#    the big batch's mean gradient. So `compute_average_loss(..., global_batch_size=B)`,
-#    with B the global batch of the whole **update**.
-# 3. **Where the apply runs.** In a second `strategy.run`: each replica passes its local
-#    sums to `optimizer.apply_gradients`, whose SUM all-reduce makes them the big-batch
-#    gradient and writes one update into every mirrored copy. Then the buffers reset.
-#    Plain Python decides when to call it; nothing traced branches on the micro-step.
-
-# %%
-def build_accumulating_loop(make_optimizer, divide_by):
-    """Model, optimizer, buffers and the two tf.functions of the accumulating loop."""
-    with strategy.scope():
-        model = tiny_model()
-        optimizer = make_optimizer()
-        optimizer.build(model.trainable_variables)  # optimizer state now, not in a trace
-        accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                    synchronization=tf.VariableSynchronization.ON_READ,
-                                    aggregation=tf.VariableAggregation.SUM)
-                        for v in model.trainable_variables]
-
-    def train_step(model, data):  # the question's fn, run on every replica
-        x, y = data
-        with tf.GradientTape() as tape:
-            per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
-            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=divide_by)
-        gradients = tape.gradient(loss, model.trainable_variables)
-        for accumulator, gradient in zip(accumulators, gradients):
-            accumulator.assign_add(gradient)  # this replica's copy: no communication
-        return loss
-
-    def apply_step(model):  # every replica: its local sums; the optimizer's SUM syncs them
-        local_sums = [accumulator.read_value() for accumulator in accumulators]
-        optimizer.apply_gradients(zip(local_sums, model.trainable_variables))
-        for accumulator in accumulators:
-            accumulator.assign(tf.zeros_like(accumulator))
-
-    @tf.function
-    def accumulate(data):
-        per_replica_losses = strategy.run(fn=train_step, args=(model, data))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
-
-    @tf.function
-    def apply():
-        strategy.run(fn=apply_step, args=(model,))
-
-    return types.SimpleNamespace(model=model, optimizer=optimizer, accumulators=accumulators,
-                                 accumulate=accumulate, apply=apply)
-
-
-def micro_batches_of(x, y, k):
-    """The k distributed micro-batches of one update (replica r gets the r-th slice)."""
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x) // k)
-    return list(strategy.experimental_distribute_dataset(dataset))
+# every micro-step. Its "divide the sum by k at the end" is equivalent *if* each
+# micro-batch loss was already a global-micro-batch average; dividing the loss by the
+# update's batch, as the fix does, keeps the buffers on the gradient's own scale and
+# needs no extra pass.
 
 # %% [markdown]
-# The loop itself is the question's, with the sum moved inside `strategy.run`:
-
-# %%
-K = 4
-micro_batches = micro_batches_of(x, y, K)
-loop = build_accumulating_loop(sgd, divide_by=EXAMPLES)  # B: the update's global batch
-for update in range(3):
-    for data in micro_batches:
-        loop.accumulate(data)
-    loop.apply()
-
-print(f"k={K}, R={R}, 3 updates: optimizer.iterations = {int(loop.optimizer.iterations.numpy())}")
-diff = check_close(weights_of(loop.model), big_batch_reference(sgd, x, y, steps=3))
-print(f"vs 3 big-batch steps on one device: max abs diff {diff.max_abs:.1e}")
-assert int(loop.optimizer.iterations.numpy()) == 3
-
-# %% [markdown]
-# Look at a buffer after **one** micro-step: each replica's copy holds its own partial
+# ## Deep dive · Inside the buffers
+#
+# A buffer after **one** micro-step: each replica's copy holds its own partial
 # gradient, and the cross-replica read is their SUM. After all k micro-steps the summed
 # buffers are the big batch's mean gradient.
 
@@ -299,49 +614,11 @@ with tf.GradientTape() as tape:
     big_batch_loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model0(x)))
 mean_gradient = tape.gradient(big_batch_loss, model0.trainable_variables)
 diff = check_close([b.numpy() for b in probe.accumulators], [g.numpy() for g in mean_gradient])
-print(f"summed buffers after {K} micro-steps vs big-batch mean gradient: max abs {diff.max_abs:.1e}")
+print(f"summed buffers after {K} micro-steps vs big-batch mean gradient: "
+      f"max abs {diff.max_abs:.1e}")
 
 # %% [markdown]
-# ## 4 · Prove it: k micro-batches on R replicas == one big-batch step
-#
-# `train` runs the loop for a number of updates and keeps the weights after each. The
-# distributed dataset gives replica r the r-th contiguous slice of every micro-batch, so
-# the k·R slices of one update are exactly the big batch. We compare with
-# `big_batch_reference` (one device, no strategy, plain `apply_gradients` on the full
-# batch) after 1 and after 3 updates, at float32 tolerances (rtol = atol = 1e-6), for a
-# plain, a stateful and an adaptive optimizer.
-
-# %%
-def train(make_optimizer, k, updates, divide_by=EXAMPLES, apply_every_micro_step=False):
-    """`updates` passes over the big batch; weights after each, and the reported losses."""
-    loop = build_accumulating_loop(make_optimizer, divide_by)
-    loop.weights, loop.reported = [], []
-    batches = micro_batches_of(x, y, k)
-    for _ in range(updates):
-        reported = 0.0
-        for data in batches:
-            reported += float(loop.accumulate(data))
-            if apply_every_micro_step:
-                loop.apply()
-        if not apply_every_micro_step:
-            loop.apply()
-        loop.weights.append(weights_of(loop.model))
-        loop.reported.append(reported)
-    return loop
-
-
-rows = []
-for name in ("sgd", "momentum", "adam"):
-    references = [big_batch_reference(OPTIMIZERS[name], x, y, steps=n) for n in (1, 3)]
-    for k in (1, 2, 4):
-        run = train(OPTIMIZERS[name], k, updates=3)
-        after_1, after_3 = (check_close(run.weights[n], ref) for n, ref in zip((0, 2), references))
-        assert int(run.optimizer.iterations.numpy()) == 3
-        rows.append((name, k, f"{after_1.max_abs:.1e}", f"{after_3.max_abs:.1e}"))
-show_table(["optimizer", "k", "max abs diff after 1 update", "after 3"], rows)
-
-# %% [markdown]
-# ## 5 · The wrong divisors, measured
+# ## Deep dive · The wrong divisors, measured
 #
 # Divide by the global *micro* batch instead (right for plain small-batch training) and
 # the update is k times too large; divide by the replica's own micro batch (a
@@ -367,59 +644,11 @@ print("full-batch loss    :", np.round(full_batch, 6).tolist())
 np.testing.assert_allclose(run.reported, full_batch, rtol=1e-6)
 
 # %% [markdown]
-# The posted answer's "divide the sum by k at the end" is equivalent *if* each
-# micro-batch loss was already a global-micro-batch average; dividing the loss by the
-# update's batch keeps the buffers on the gradient's own scale and needs no extra pass.
+# ## Deep dive · Where optimizer state is created
 #
-# ## 6 · One all-reduce per update: the timeline
-#
-# `count_collectives` counts the all-reduce ops in each traced function. `accumulate`
-# has none; `apply` has one (the optimizer packs all gradients into one reduction).
-# Applying after every micro-step instead — plain small-batch training — pays one per
-# micro-batch, and makes k optimizer updates where accumulation makes one.
-
-# %%
-UPDATES = 2
-schemes = {"accumulate k, apply once": False, "apply every micro-step": True}
-timelines = {}
-for label, every in schemes.items():
-    run = train(adam, K, UPDATES, divide_by=EXAMPLES // K if every else EXAMPLES,
-                apply_every_micro_step=every)
-    per_accumulate = count_collectives(run.accumulate, micro_batches[0], replicas=R).all_reduces
-    per_apply = count_collectives(run.apply, replicas=R).all_reduces
-    applies = K * UPDATES if every else UPDATES
-    timelines[label] = (per_accumulate, per_apply, applies, int(run.optimizer.iterations.numpy()))
-    assert (per_accumulate, per_apply) == (0, 1)
-    assert int(run.optimizer.iterations.numpy()) == applies
-show_table(["scheme", "all-reduces in `accumulate`", "in `apply`",
-            f"all-reduces per {K * UPDATES} micro-batches", "optimizer updates"],
-           [(label, a, b, K * UPDATES * a + n * b, n) for label, (a, b, n, _) in timelines.items()])
-
-# %%
-fig, axes = plt.subplots(2, 1, figsize=(8, 3.4), sharex=True)
-for ax, (label, every) in zip(axes, schemes.items()):
-    per_accumulate, per_apply, applies, _ = timelines[label]
-    micro = np.arange(1, K * UPDATES + 1)
-    apply_at = micro + 0.5 if every else np.arange(1, UPDATES + 1) * K + 0.5
-    ax.broken_barh([(m - 0.4, 0.8) for m in micro], (1.6, 0.8), color="#9ecae1")
-    reduce_at = np.concatenate([np.repeat(micro, per_accumulate), np.repeat(apply_at, per_apply)])
-    ax.scatter(reduce_at, np.full(len(reduce_at), 1.0), marker="v", s=60, color="#d62728")
-    for n, at in enumerate(apply_at, start=1):
-        ax.text(at, 0.3, str(n), ha="center", va="center", fontsize=8,
-                bbox={"boxstyle": "circle,pad=0.2", "fc": "white", "ec": "black"})
-    ax.set_yticks([2.0, 1.0, 0.3], ["micro-steps\n(all replicas)", "all-reduces", "updates"])
-    ax.set_ylim(-0.1, 2.6)
-    ax.set_title(f"{label}: {len(reduce_at)} all-reduces, {applies} updates", fontsize=9)
-axes[-1].set_xlabel(f"micro-batch (k = {K} per update, each split over R = {R} replicas)")
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# ## 7 · Where optimizer state is created matters
-#
-# `build_accumulating_loop` calls `optimizer.build(model.trainable_variables)` under the
-# scope. Leave it out — let `apply_gradients` create Adam's slots the first time the
-# apply `tf.function` is traced — and on this TensorFlow/Keras with 2+ replicas the first
+# The fix calls `optimizer.build(model.trainable_variables)` under the scope. Leave it
+# out — let `apply_gradients` create Adam's slots the first time the apply
+# `tf.function` is traced — and on this TensorFlow/Keras with 2+ replicas the first
 # call fails. Plain SGD (no slots) and a single replica run.
 
 # %%
@@ -432,7 +661,8 @@ def feed_line(error):
 
 
 show_table(["optimizer", "slots created lazily, inside the traced apply", "built first (the fix)"],
-           [(name, "ran" if r.lazy_error is None else f"{r.lazy_error.type}: {feed_line(r.lazy_error)}",
+           [(name,
+             "ran" if r.lazy_error is None else f"{r.lazy_error.type}: {feed_line(r.lazy_error)}",
              f"max abs diff vs big batch {r.built_first_vs_big_batch.max_abs:.1e}")
             for name, r in lazy.items()])
 print("int32 inputs the traced apply is fed at call time:", lazy["adam"].call_time_int32_inputs)
@@ -469,8 +699,9 @@ assert one_replica.lazy_error is None and one_replica.call_time_int32_inputs == 
 # Upstream this is keras-team/keras#23085, fixed by keras-team/keras#23087 (optimizer
 # variables created under `tf.init_scope()`), which the installed Keras does not contain
 # yet; the assertions above fail when an upgrade changes this.
-#
-# ## 8 · The buffers are checkpointable — also in the middle of an update
+
+# %% [markdown]
+# ## Deep dive · Checkpointing in the middle of an update
 #
 # `tf.train.Checkpoint` saves a `SyncOnRead` SUM variable as its cross-replica value,
 # the SUM, and restores SUM / R into every replica's copy
@@ -512,62 +743,11 @@ print(f"resumed vs uninterrupted: {resumed.max_abs:.1e}; vs 2 big-batch steps: {
 # %% [markdown]
 # `aggregation=SUM` is what makes this possible: with `aggregation=NONE` (OpenNMT-tf's
 # accumulator) the buffers can be neither read in cross-replica context nor saved on 2+
-# replicas (`tests/test_accumulator.py` pins both).
-#
-# ## 9 · The packaged form: `GradientAccumulator`
-#
-# `distgrad.GradientAccumulator` is the buffers of section 3 with what a real model needs
-# besides, each pinned in `tests/test_accumulator.py`: a micro-step counter
-# (`micro_steps`, checkpointed with the buffers, so the loop position is saved too),
-# float32 buffers for float16/bfloat16 weights, `None` gradients skipped,
-# `tf.IndexedSlices` summed into the dense buffer (embeddings; what Adam does with them
-# is [lesson 07, section 3](07_beyond_the_basics.ipynb)), and errors for the misuses of
-# sections 1 and 7. Its `add` is the first half of section 3's `train_step`:
-
-# %%
-show_code(distgrad.GradientAccumulator.add)
+# replicas. `GradientAccumulator` also checkpoints its micro-step counter, so the loop's
+# position is saved too (`tests/test_accumulator.py` pins all three).
 
 # %% [markdown]
-# The question's loop with it — `make_apply_step` builds the optimizer under the scope
-# and wraps `strategy.run(accumulator.apply_gradients, ...)` in a `tf.function`:
-
-# %%
-with strategy.scope():
-    model, optimizer = tiny_model(), sgd()
-    accumulator = distgrad.GradientAccumulator(model.trainable_variables)
-
-
-def train_step(model, data):
-    x, y = data
-    with tf.GradientTape() as tape:
-        per_example_loss = keras.losses.mean_squared_error(y, model(x, training=True))
-        loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=EXAMPLES)
-    accumulator.add(tape.gradient(loss, model.trainable_variables))
-    return loss
-
-
-accumulate = tf.function(lambda data: strategy.run(fn=train_step, args=(model, data)))
-apply_step = accumulator.make_apply_step(optimizer)
-for update in range(3):
-    for data in micro_batches:
-        accumulate(data)
-    assert accumulator.micro_steps == K
-    apply_step()
-assert accumulator.micro_steps == 0 and int(optimizer.iterations.numpy()) == 3
-same = check_close(weights_of(model), weights_of(loop.model))  # section 3's loop
-print(f"GradientAccumulator vs section 3's loop, 3 updates: max abs diff {same.max_abs:.1e}")
-assert count_collectives(apply_step.function, replicas=R).all_reduces == 1
-try:
-    with strategy.scope():  # cross-replica context: the question's mistake
-        accumulator.add([tf.zeros_like(v) for v in model.trainable_variables])
-except RuntimeError as err:
-    misuse = err
-print(textwrap.fill(f"add() outside strategy.run -> RuntimeError: {misuse}", 90,
-                    subsequent_indent="  "))
-assert "must run in replica context" in str(misuse)
-
-# %% [markdown]
-# ## 10 · The picture: big batch vs accumulated vs naive small batch
+# ## Deep dive · Accumulating vs stepping every micro-batch
 #
 # Full-batch loss after each pass over the data: one device on the big batch, k = 4
 # accumulated micro-batches on R replicas, and the naive alternative — an optimizer step
@@ -577,12 +757,16 @@ assert "must run in replica context" in str(misuse)
 # well-conditioned problem more steps simply descend faster; the point of accumulating
 # is to keep a recipe tuned for the big batch (learning rate, schedule, gradient noise)
 # when that batch no longer fits in memory — and only the accumulated run reproduces it.
+# Both runs trace the same two functions: no all-reduce per micro-batch, one per apply.
 
 # %%
 PASSES = 10
 slow_sgd = lambda: keras.optimizers.SGD(0.05)
 accumulated = train(slow_sgd, 4, PASSES)
 naive = train(slow_sgd, 4, PASSES, divide_by=EXAMPLES // 4, apply_every_micro_step=True)
+for run in (accumulated, naive):
+    assert count_collectives(run.accumulate, micro_batches[0], replicas=R).all_reduces == 0
+    assert count_collectives(run.apply, replicas=R).all_reduces == 1
 start = tiny_model().get_weights()
 big_batch = [start] + [big_batch_reference(slow_sgd, x, y, steps=n) for n in range(1, PASSES + 1)]
 for n in range(PASSES):
@@ -610,14 +794,14 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
                                  int(naive.optimizer.iterations.numpy())))])
 
 # %% [markdown]
-# ## 11 · The same loop in tf-keras (Keras 2)
+# ## Deep dive · The same loop in tf-keras (Keras 2)
 #
 # The question was asked on TensorFlow 2.x with Keras 2, and many users still train
 # on it: TensorFlow ≤ 2.15, or the `tf-keras` package behind `tf.keras` when
 # `TF_USE_LEGACY_KERAS=1` is set *before* TensorFlow is imported. This notebook runs
 # Keras 3, and a process cannot switch, so the tf-keras program below is written to a
 # file and run in a child Python (`distgrad.lab.legacy.run_legacy` sets the variable and
-# puts the folder on `PYTHONPATH`). It is section 3's loop, with
+# puts the folder on `PYTHONPATH`). It is the fix's loop, with
 # `distgrad.GradientAccumulator` (which holds no Keras object of its own: tf.distribute
 # variables, and the optimizer you pass) and a tf-keras `Adam`. The lab supplies the
 # incidentals: the tiny model, the weights as lists, and the one-device big-batch
@@ -682,80 +866,32 @@ assert tf_keras_run["updates"] == 3
 # %% [markdown]
 # Equal to the big batch at float32 tolerances, on the versions printed above. For
 # `model.fit` in tf-keras, `distgrad.tf_keras.AccumulatingOptimizer` is the packaged
-# form ([lesson 03, section 7](03_cond_and_merge_call.ipynb); with `mixed_float16`,
-# [lesson 04, section 6](04_loss_scale_optimizer_pitfall.ipynb)).
+# form ([lesson 03's tf-keras deep dive](03_cond_and_merge_call.ipynb#deep-dive-the-questions-own-stack-tf-keras-modelfit);
+# with `mixed_float16`,
+# [lesson 04's](04_loss_scale_optimizer_pitfall.ipynb#deep-dive-the-questions-own-stack-tf-keras)).
 
 # %% [markdown]
-# ## Takeaways
+# ## Deep dive · Dropout draws other masks
 #
-# * `strategy.run` returns `PerReplica` values in cross-replica context; you cannot add
-#   them up in Python or hand them to `apply_gradients`. Accumulate *inside*
-#   `strategy.run`, into replica-local `SyncOnRead` variables: zero communication.
-# * Apply once per k micro-batches inside a second `strategy.run`; the optimizer's SUM
-#   all-reduce is the single sync of the update (1 instead of k).
-# * Divide each micro-batch loss by the global batch of the whole update
-#   (micro batch × R × k). Per-replica means make the update k·R times too large.
-# * Build the optimizer under the scope before the first traced apply (stateful
-#   optimizers fail otherwise on 2+ replicas, keras-team/keras#23085).
-# * Use `aggregation=SUM` for the buffers: they can then be read across replicas and
-#   checkpointed mid-update.
-# * `experimental_run_v2` is gone; it is `strategy.run` (tensorflow/tensorflow#37551).
-# * In tf-keras (Keras 2, `TF_USE_LEGACY_KERAS=1` set before TensorFlow is imported) the
-#   loop and `GradientAccumulator` are the same, with a tf-keras optimizer (section 11).
-#
-# ## Exercises
-#
-# 1. Predict the SGD update of one accumulated update when each micro-batch loss is
-#    divided by the global *micro* batch, `EXAMPLES // K`, then run the first cell below.
-# 2. In `build_accumulating_loop`, make the buffers `synchronization=ON_WRITE` (keep
-#    `aggregation=SUM`), rerun that cell, then the second cell below. Where does each
-#    micro-step's sum happen now, and by what factor is the update off?
-# 3. Remove `optimizer.build(...)` from `build_accumulating_loop`, rerun it, and run
-#    `train(adam, 2, 1)`. Which error do you get, and which section explains it?
-# 4. In section 11's program, replace both `tf.keras.optimizers.Adam(0.01)` by the
-#    question's era's optimizer, `tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)`
-#    (an `OptimizerV2`), and rerun the `%%writefile` cell and the one after it. Does the
-#    loop still equal the big batch?
-#
-# <details><summary>Answers</summary>
-#
-# 1. k = 4 times the big-batch step (section 5).
-# 2. A `MirroredVariable` updated in replica context with `aggregation=SUM` sums the R
-#    values in a `merge_call` at every micro-step (one more `AddN` per variable in
-#    `accumulate`: the R gradients meet on one device);
-#    `read_value()` in `apply_step` then returns that sum on every replica, and the
-#    optimizer sums it again: R times the big-batch step.
-# 3. `InvalidArgumentError: You must feed a value for placeholder tensor ...` (section 7).
-# 4. Yes: `make_apply_step` creates an `OptimizerV2`'s slots under the scope before the
-#    traced apply, as section 7 requires (`tests/test_tf_keras_custom_loop.py` checks it).
-#
-# </details>
+# The fix's model has no Dropout, and its check is exact. With a `Dropout` layer, one
+# device with the same seed reproduces its own big-batch run exactly, but the
+# accumulated run draws its masks in k·R smaller forward passes, other masks than the
+# big batch's one pass: the weights part.
 
 # %%
-EXERCISE_DIVIDE_BY = EXAMPLES // K
-exercise = train(sgd, K, updates=1, divide_by=EXERCISE_DIVIDE_BY)
-ratio = update_ratio(updates(exercise.weights[0], tiny_model().get_weights()), reference_update)
-print(f"loss / {EXERCISE_DIVIDE_BY}: SGD update x{ratio:.4f} of one big-batch step")
+def dropout_model():
+    """lab.data.tiny_model with Dropout(0.5) between its two layers."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([keras.Input((4,)),
+                             keras.layers.Dense(8, "tanh", kernel_initializer=init(seed=0)),
+                             keras.layers.Dropout(0.5, seed=0),
+                             keras.layers.Dense(1, kernel_initializer=init(seed=1))])
 
-# %%
-exercise = build_accumulating_loop(sgd, EXAMPLES)
-graph = exercise.accumulate.get_concrete_function(micro_batches[0]).graph.as_graph_def()
-print("AddN ops in accumulate:", graph_op_types(graph)["AddN"])
-for data in micro_batches:
-    exercise.accumulate(data)
-exercise.apply()
-ratio = update_ratio(updates(weights_of(exercise.model), tiny_model().get_weights()),
-                     reference_update)
-print(f"SGD update x{ratio:.4f} of one big-batch step")
 
-# %% [markdown]
-# ## Further reading
-#
-# * keras-team/keras#23085 (stateful optimizers fail to trace under tf.distribute) and
-#   its fix keras-team/keras#23087.
-# * tensorflow/tensorflow#32176 — gradient accumulation for distribution strategies.
-# * OpenNMT-tf, `opennmt/optimizers/utils.py` (`GradientAccumulator`) and its trainer:
-#   the two-function structure used here.
-# * `tf.VariableSynchronization` / `tf.VariableAggregation` API docs; installed source
-#   `tensorflow/python/distribute/values.py` (`SyncOnReadVariable`) and
-#   `values_util.py` (`get_on_read_restore_ops`).
+once, again = (big_batch_reference(sgd, x, y, steps=3, model_factory=dropout_model)
+               for _ in range(2))
+same_seed = check_close(again, once)  # one device, the same seed: the same masks
+with_dropout = train(sgd, K, updates=3, make_model=dropout_model)
+apart = check_not_close(with_dropout.weights[-1], once)
+print(f"big batch twice: max abs diff {same_seed.max_abs:.1e}; "
+      f"accumulated (k={K}, R={R}) vs big batch: {apart.max_abs:.1e}")

@@ -16,87 +16,133 @@
 # %% [markdown]
 # # 03 · `tf.cond`, `merge_call`, and an accumulating optimizer for `model.fit`
 #
-# **The question** ([Q3](../questions.md#q3), TF 2.5, tensorflow/tensorflow#50454). To
-# accumulate gradients, a user replaces `optimizer.apply_gradients` by a function that adds
-# the gradients into variables and calls the original `apply_gradients` inside
-# `tf.cond(step % n == 0, ...)`. Under a distribution strategy that raises
-# `RuntimeError: merge_call called while defining a new graph or a tf.function ...`.
-# Their workaround drops the `tf.cond`: always call the original with
-# `accumulated * mask` (mask 1 on every n-th step, else 0). It runs. Is it accumulation?
+# **The question** ([Q3](../questions.md#q3), TF 2.5, tensorflow/tensorflow#50454). A patched
+# `optimizer.apply_gradients` adds the gradients into variables and calls the original inside
+# `tf.cond(step % n == 0, ...)`: under a strategy, `RuntimeError: merge_call called while
+# defining a new graph or a tf.function`. The workaround calls the original every step with
+# `accumulated * mask` (1 every n-th step, else 0). It runs. Is it accumulation?
 #
-# **Short answer.** As posted, the patch fails in Keras 3 before any distribution question
-# arises: it passes `args, kwargs` to the original as two positional arguments (a
-# `TypeError`), and it reads the `grads_and_vars` zip twice, so it accumulates nothing.
-# With those two Python bugs fixed it raises the question's `RuntimeError` under
-# `MirroredStrategy`: `apply_gradients` contains sync points (`merge_call`s), and
-# `MirroredStrategy` cannot run a `merge_call` inside a `tf.cond` traced in replica context.
-# Keras 3's own `gradient_accumulation_steps` has the same shape and fails the same way in
-# `model.fit` (keras-team/keras#20582). The minimal fix keeps the question's `tf.cond` and
-# takes it in **cross-replica** context — `merge_call`, cond, `call_for_each_replica` — the
-# shape Keras' `LossScaleOptimizer` uses; `distgrad.optimizer.AccumulatingOptimizer` is
-# that fix packaged as an optimizer for `model.fit`. The mask trick is not accumulation:
-# the optimizer still updates on every micro-step (with zero gradients), which is harmless
-# only for plain SGD.
+# **Short answer.** Code inside `strategy.run`, where `model.fit` calls `apply_gradients`,
+# runs in *replica context*: once per replica, each in its own thread under
+# `MirroredStrategy`. A `merge_call` pauses the replicas and runs one function for all of
+# them, in *cross-replica context*. `apply_gradients` holds such sync points, and
+# `MirroredStrategy` cannot run one from a `tf.cond` branch traced in replica context. The
+# fix takes the cond in cross-replica context: `merge_call`, the cond, then
+# `call_for_each_replica` to apply on every replica. `distgrad.AccumulatingOptimizer`
+# packages it for `model.fit`. The mask is no accumulation: the optimizer still steps on
+# every micro-batch, with a zero gradient, which only plain SGD ignores.
 
 # %%
+import tensorflow as tf
+
 import distgrad
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
+assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
+tf.get_logger().setLevel("ERROR")  # no INFO lines; the cells below retrace on purpose
 
 from distgrad.lab.display import show_code, show_environment, show_table, statements
 
 show_environment(distgrad.environment_report(strategy))
 
-# %%
-import importlib.util
-import inspect
-import pathlib
+# %% [markdown]
+# ## 1 · The fix
+#
+# Wrap the optimizer, keep `model.fit`. The cell runs as it is in a new file; the next
+# checks it against one big-batch step per update on one device.
 
+# %% tags=["fix"]
 import keras
-import matplotlib.pyplot as plt
 import numpy as np
 import tensorflow as tf
-from IPython.display import Code, display
-from keras.src.optimizers import base_optimizer, loss_scale_optimizer
-from tensorflow.python.distribute import mirrored_run, mirrored_strategy, values
 
-from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close, weight_diff
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import fit_step_placement
-from distgrad.lab.recipes import custom_loop_run, fit_run
-from distgrad.optimizer import AccumulatingOptimizer
-from distgrad.pitfalls import cond_merge_call, mask_trick
+import distgrad  # the packaged form is the point here: pip install distgrad
 
-tf.get_logger().setLevel("ERROR")  # fresh tf.functions on purpose: silence retracing notes
-assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
-STEPS, MICRO_BATCH, UPDATES = 4, 2 * R, 3  # k micro-batches of B per update, n updates
-print(f"k = {STEPS} micro-batches of B = {MICRO_BATCH} per update, n = {UPDATES} updates")
+# Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
+cpu = tf.config.list_physical_devices("CPU")[0]
+if (not tf.config.list_physical_devices("GPU")
+        and not tf.config.get_logical_device_configuration(cpu)):
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.experimental.enable_tensor_float_32_execution(False)  # exact float32 for the check
+strategy = tf.distribute.MirroredStrategy(
+    tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU"))
 
+K, EPOCHS = 4, 2  # k micro-batches per update
+BATCH = 4 * strategy.num_replicas_in_sync  # a micro-batch: 4 examples on each replica
+x = np.random.default_rng(0).normal(size=(10 * BATCH, 3)).astype("float32")  # 10 micro-batches
+y = (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3).astype("float32")
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)  # no shuffle: the check replays
 
-def show_source(function, *markers, context=2):
-    """Display the lines of `function`'s source around each marker; assert they exist."""
-    lines = inspect.getsource(function).splitlines()
-    excerpt = []
-    for marker in markers:
-        hits = [i for i, line in enumerate(lines) if marker in line]
-        assert hits, f"{marker!r} not in {function.__qualname__}: the source changed"
-        i = hits[0]
-        excerpt += lines[max(0, i - context): i + context + 1] + ["    ..."]
-    excerpt = [line.split("  # pylint:")[0] for line in excerpt]  # keep lines short
-    display(Code("\n".join(excerpt), language="python"))
+with strategy.scope():  # the model, the inner optimizer and the wrapper: all in this scope
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(1)])
+    optimizer = distgrad.AccumulatingOptimizer(keras.optimizers.Adam(0.01), accumulation_steps=K)
+    model.compile(optimizer=optimizer, loss="mse")  # Keras' mean loss: the wrapper applies the mean
+initial = model.get_weights()
+# Nested inputs/outputs: fit handles them (the optimizer only ever sees the gradients).
 
+# 10 micro-batches an epoch, k = 4: each epoch ends with a cycle left open. It carries over: the
+# next epoch's first micro-batches complete it (distgrad.AccumulationCallback("flush") would apply
+# it at the epoch's end, "discard" drop it). 2 epochs = 20 micro-batches = 5 updates, none open.
+report = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: print(
+    f"epoch {epoch + 1}: {int(optimizer.iterations.numpy())} updates, "
+    f"{int(optimizer.micro_steps.numpy())} micro-batch(es) of an open cycle"))
+history = model.fit(dataset, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[report])
 
-def error_line(error, width=96):
-    """The last line of a captured error's message, without the type, cut to `width`."""
-    line = error.message.strip().splitlines()[-1].strip().removeprefix(f"{error.type}: ")
-    return line if len(line) <= width else line[:width - 3] + "..."
-
+# %% tags=["check"]
+# One device, no accumulation: one Adam step per big batch of K micro-batches, in the same order.
+big = keras.models.clone_model(model)
+big.set_weights(initial)
+big.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=False)  # as fit above
+big.fit(np.tile(x, (EPOCHS, 1)), np.tile(y, (EPOCHS, 1)), batch_size=K * BATCH, shuffle=False,
+        verbose=0)
+assert int(optimizer.iterations.numpy()) == int(big.optimizer.iterations.numpy()) == 5
+for accumulated, big_batch in zip(model.get_weights(), big.get_weights()):
+    np.testing.assert_allclose(accumulated, big_batch, rtol=1e-6, atol=1e-6)
+print(f"{strategy.num_replicas_in_sync} replicas, k = {K}: equal to one big-batch step per update")
 
 # %% [markdown]
-# ## 1 · The question's code, and what it does
+# The third update straddles the two epochs; the check replays the same stream, so it
+# covers it. Under `mixed_float16`, compile
+# `distgrad.AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(inner, k))`:
+# Keras' own `LossScaleOptimizer` around it is refused with an error naming that line
+# ([lesson 04](04_loss_scale_optimizer_pitfall.ipynb#1-the-fix)).
+
+# %% [markdown]
+# ## 2 · Why it works
 #
-# The question's patch with `tf.cond` ("the happy path"), exactly as posted:
+# <div class="diagram" data-diagram="contexts">
+#
+# [Replica context and cross-replica context](../call-path.md#contexts)
+#
+# </div>
+#
+# `MirroredStrategy` traces the replica function once per device, each in its own thread,
+# into one graph. A `merge_call` pauses the replica threads and runs its function once, in
+# the main thread, on that graph. A `tf.cond` branch is a graph of its own, so
+# `_MirroredReplicaContext._merge_call` refuses a `merge_call` from inside it. The
+# question's patch calls the original `apply_gradients`, whose all-reduce and update are
+# `merge_call`s, from such a branch. `cond_merge_call.reproduce(strategy, Patch)` installs
+# a patch as the question does and trains a tiny model with SGD in a custom loop
+# (`None`: no strategy).
+
+# %% [markdown]
+# ### Deep dive · The question's patch as posted, and its two Python bugs
+#
+# First the lab's helpers and the sizes the page uses from here on (k = `STEPS`
+# micro-batches of B = `MICRO_BATCH` examples per update, n = `UPDATES` updates), then the
+# question's patch with `tf.cond` ("the happy path"), exactly as posted.
+
+# %%
+from distgrad.lab.compare import OPTIMIZERS, check_close, weight_diff
+from distgrad.lab.data import regression_data
+from distgrad.lab.recipes import fit_run
+from distgrad.optimizer import AccumulatingOptimizer
+from distgrad.pitfalls import cond_merge_call
+
+R = strategy.num_replicas_in_sync  # the fix cell's strategy, used from here on
+STEPS, MICRO_BATCH, UPDATES = 4, 2 * R, 3  # k micro-batches of B per update, n updates
 
 # %%
 def get_patched_optimizer(optimizer, n, trainable_variables):
@@ -178,14 +224,25 @@ class _GradientAccumulationPatch:
 
 
 # %% [markdown]
-# `get_patched_optimizer` swaps the bound method on the optimizer instance.
-# `cond_merge_call.reproduce(strategy, patch_class)` installs a patch class the same way
-# (after the model and optimizer are built, under the strategy scope) and trains a tiny
-# model with `SGD(0.1)` in a `tf.function` custom loop: one `strategy.run(replica_step)`
-# per micro-batch, `apply_gradients` inside it (lesson 01's replica step). `None` means
-# no strategy.
+# `get_patched_optimizer` swaps the bound method on the optimizer instance;
+# `cond_merge_call.reproduce` installs a patch class the same way, after the model and
+# optimizer are built, under the strategy scope. As posted, it fails before any
+# distribution question arises:
 
 # %%
+import importlib.util
+import inspect
+import pathlib
+
+from distgrad.lab.data import tiny_model
+
+
+def error_line(error, width=96):
+    """The last line of a captured error's message, without the type, cut to `width`."""
+    line = error.message.strip().splitlines()[-1].strip().removeprefix(f"{error.type}: ")
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
 sgd = keras.optimizers.SGD(0.1)
 assert get_patched_optimizer(sgd, 2, tiny_model().trainable_variables) is sgd
 assert type(sgd.apply_gradients.__self__) is _GradientAccumulationPatch
@@ -245,7 +302,8 @@ assert first == ["v0", "v1"] and second == []
 
 
 # %% [markdown]
-# Fix 2: read it once into a list.
+# Fix 2: read it once into a list. `CallsFixedCondPatch` is the question's patch with both
+# Python bugs fixed, and nothing else changed.
 
 # %%
 class CallsFixedCondPatch(StarredPatch):
@@ -253,28 +311,27 @@ class CallsFixedCondPatch(StarredPatch):
         super().apply_gradients(list(grads_and_vars), *args, **kwargs)  # fix 2
 
 
-fixed_calls = {"no strategy": cond_merge_call.reproduce(None, CallsFixedCondPatch),
-               f"MirroredStrategy, {R} replicas": cond_merge_call.reproduce(
-                   strategy, CallsFixedCondPatch)}
-show_table(["both Python bugs fixed", "updates", "max abs weight change", "error"], [
-    (name, "" if r.error else r.updates, "" if r.error else f"{r.weight_change:.3f}",
-     "" if r.error is None else f"`{r.error.type}`")
-    for name, r in fixed_calls.items()])
-plain, record = fixed_calls.values()
-assert plain.error is None and plain.updates == plain.micro_steps // 2 and plain.weight_change > 1e-3
+# %% [markdown]
+# ### The sync point in the branch
+#
+# With its two Python bugs fixed (`CallsFixedCondPatch`, deep dive above), the question's
+# patch trains without a strategy, where `apply_gradients` has no `merge_call`, and raises
+# the question's error under `MirroredStrategy`:
+
+# %%
+plain = cond_merge_call.reproduce(None, CallsFixedCondPatch)
+record = cond_merge_call.reproduce(strategy, CallsFixedCondPatch)
+print(f"no strategy: {plain.updates} updates, max |Δw| {plain.weight_change:.3f}")
+print(f"{R} replicas: {record.error.type}: {cond_merge_call.MERGE_CALL_ERROR} ...")
+assert plain.error is None and plain.updates == plain.micro_steps // 2
+assert plain.weight_change > 1e-3
 assert plain.supports_no_merge_call and record.supports_no_merge_call is False
 assert record.error.type == "RuntimeError"
 assert record.error.contains(cond_merge_call.MERGE_CALL_ERROR)
 assert record.error.contains("control flow statement which contains a synchronization point")
-print("RuntimeError:", cond_merge_call.MERGE_CALL_ERROR, "...")
 
 # %% [markdown]
-# Now the question's error. Without a strategy the same code trains: there
-# `apply_gradients` has no `merge_call` at all (`strategy_supports_no_merge_call()` is
-# true), so nothing crosses threads. (`distgrad.pitfalls.cond_merge_call.CondPatch` is this
-# patch reduced to what fails, for the tests and for a fresh process below.)
-#
-# ## 2 · Keras 3's built-in `gradient_accumulation_steps` hits the same wall
+# ### Deep dive · Keras 3's built-in `gradient_accumulation_steps` hits the same wall
 #
 # `keras.optimizers.SGD(0.1, gradient_accumulation_steps=4)` in `model.fit` under
 # `MirroredStrategy` (keras-team/keras#20582, open):
@@ -297,30 +354,39 @@ assert (builtin.tensorflow, builtin.keras) == (tf.__version__, keras.__version__
 # (`keras/src/backend/tensorflow/optimizer_distribute_test.py`,
 # `test_gradient_accumulation`) calls `strategy.run` eagerly, where `ops.cond` is a Python
 # `if`; `model.fit` traces the step, and the cond becomes a graph.
-#
-# ## 3 · Look inside: why a sync point cannot sit in a replica-context `tf.cond`
-#
-# <div class="diagram" data-diagram="contexts">
-#
-# [Replica context and cross-replica context](../call-path.md#contexts)
-#
-# </div>
+
+# %% [markdown]
+# ### Deep dive · TensorFlow internals: the refusal, the exception, and Keras' working shape
 #
 # **Where the sync points are.** The built-in's branch is an `ops.cond` whose true branch
 # calls `_backend_update_step`; in the TensorFlow backend that function all-reduces the
 # gradients and then `maybe_merge_call`s into `_distributed_tf_update_step` (lesson 01).
 
 # %%
+from IPython.display import Code, display
+from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+from tensorflow.python.distribute import mirrored_run, mirrored_strategy, values
+
+
+def show_source(function, *markers, context=2):
+    """Display the lines of `function`'s source around each marker; assert they exist."""
+    lines = inspect.getsource(function).splitlines()
+    excerpt = []
+    for marker in markers:
+        hits = [i for i, line in enumerate(lines) if marker in line]
+        assert hits, f"{marker!r} not in {function.__qualname__}: the source changed"
+        i = hits[0]
+        excerpt += lines[max(0, i - context): i + context + 1] + ["    ..."]
+    excerpt = [line.split("  # pylint:")[0] for line in excerpt]  # keep lines short
+    display(Code("\n".join(excerpt), language="python"))
+
+
 show_source(base_optimizer.BaseOptimizer._backend_apply_gradients,
             "self._backend_update_step(", "ops.cond(")
 
 # %% [markdown]
-# **Why `MirroredStrategy` refuses.** It runs the replica function once per device, each
-# in its own thread, all tracing into one graph. A `merge_call` pauses every replica
-# thread and runs the merge function *in the main thread*, on that graph. A `tf.cond`
-# branch is traced as a separate graph, so a `merge_call` from inside it would hand the
-# main thread tensors it cannot use. `_MirroredReplicaContext._merge_call` checks exactly
-# that:
+# **The refusal.** `_MirroredReplicaContext._merge_call` checks that the graph the replica
+# thread is tracing into is the main thread's; a `tf.cond` branch is not:
 
 # %%
 show_source(mirrored_run._MirroredReplicaContext._merge_call,
@@ -367,13 +433,11 @@ show_source(loss_scale_optimizer.LossScaleOptimizer._tf_apply,
             "# Note: We must call this cond() in a cross-replica context.",
             "tf.distribute.get_replica_context().merge_call(", context=3)
 
-
 # %% [markdown]
-# ## 4 · The minimal fix of the question's patch
-#
-# Keep everything, move the cond. The question's accumulators, `tf.Variable`s created
+# **Replica-local accumulators.** The question's accumulators, `tf.Variable`s created
 # under the strategy scope, are `MirroredVariable`s with aggregation `NONE`, and a
-# replica-context write to such a variable updates the local copy only:
+# replica-context write to such a variable updates the local copy only: the minimal fix
+# below adds each replica's gradients without communication.
 
 # %%
 with strategy.scope():
@@ -386,10 +450,12 @@ show_source(values._on_write_update_replica,
 
 
 # %% [markdown]
-# So each replica adds its gradients to its own copy, without communication, and then
-# calls `merge_call` once. The merge function runs once for all replicas, in
-# cross-replica context: it counts the step, conds, and in the taken branch calls the
-# original `apply_gradients` on every replica with `call_for_each_replica`.
+# ### The minimal fix: the same cond, in cross-replica context
+#
+# Keep everything, move the cond. Each replica adds its gradients to its own accumulators,
+# without communication, then calls `merge_call` once. The merge function counts, conds,
+# and in the taken branch calls the original on every replica with
+# `call_for_each_replica`, as Keras' `LossScaleOptimizer` does.
 
 # %%
 class CrossReplicaCondPatch(CallsFixedCondPatch):
@@ -410,34 +476,39 @@ class CrossReplicaCondPatch(CallsFixedCondPatch):
 
 
 # %% [markdown]
-# Like the question's, it applies the **sum** of the k accumulated gradients. In a custom
-# loop whose replicas divide their loss by the global batch of the *update*
-# (k × B examples), that sum is the big batch's mean gradient. Compared with `fit` on one
-# device, batches of k × B, for SGD, momentum, Adam and AdamW:
+# Like the question's, it applies the **sum** of k gradients: in a custom loop whose loss
+# is divided by the update's global batch (k × B), the big batch's mean gradient. Against
+# `fit` on one device with batches of k × B:
 
 # %%
 x, y = regression_data(MICRO_BATCH * STEPS * UPDATES)
-references = {name: fit_run(None, make, x, y, STEPS * MICRO_BATCH)
+references = {name: fit_run(None, make, x, y, STEPS * MICRO_BATCH)  # one device, k × B
               for name, make in OPTIMIZERS.items()}
-minimal = {name: cond_merge_call.patched_run(strategy, CrossReplicaCondPatch, make, x, y,
-                                             MICRO_BATCH, STEPS, loss_batch=STEPS * MICRO_BATCH)
-           for name, make in OPTIMIZERS.items()}
-show_table(["optimizer", f"updates after {STEPS * UPDATES} micro-steps",
-            "max abs diff vs big batch", "all-reduces per step (every call, in cond)"], [
-    (name, r.updates, f"{weight_diff(r.final, references[name].final).max_abs:.1e}",
-     f"{r.placement.every_call}, {r.placement.conditional}") for name, r in minimal.items()])
-for name, r in minimal.items():
+for name, make in OPTIMIZERS.items():
+    r = cond_merge_call.patched_run(strategy, CrossReplicaCondPatch, make, x, y, MICRO_BATCH,
+                                    STEPS, loss_batch=STEPS * MICRO_BATCH)
+    diff = check_close(r.final, references[name].final, what=name)  # rtol = atol = 1e-6
+    print(f"{name:8} {r.updates} updates, vs big batch {diff.max_abs:.1e}; all-reduces: "
+          f"{r.placement.every_call} on every call, {r.placement.conditional} in the cond")
     assert r.error is None and r.updates == references[name].updates == UPDATES
-    check_close(r.final, references[name].final, what=name)  # rtol = atol = 1e-6
     assert (r.placement.every_call, r.placement.conditional) == (0, 1)
 
 # %% [markdown]
-# One all-reduce per update, inside the branch. In `model.fit` — the question's setting —
-# Keras' loss is each micro-batch's mean, so the sum is k times the big batch's mean
-# gradient: with SGD it equals a big batch at k times the learning rate, and with momentum
-# it is not the big batch at all.
+# One all-reduce per update, in the branch. In `model.fit`, whose loss is each
+# micro-batch's mean, the sum is k times too large (deep dive below): `AccumulatingOptimizer`
+# divides by k. The mask workaround runs, but the optimizer steps on every micro-batch:
+# plain SGD matches the big batch; momentum, Adam and AdamW end over 1e-3 away after 3
+# updates (deep dive after the Limits).
+
+# %% [markdown]
+# ### Deep dive · The minimal fix in `model.fit`: a sum, not a mean
+#
+# With SGD the sum equals a big batch at k times the learning rate; with momentum it is
+# not the big batch at all.
 
 # %%
+from distgrad.lab.compare import check_not_close
+
 in_fit = {name: cond_merge_call.patched_run(strategy, CrossReplicaCondPatch, OPTIMIZERS[name],
                                             x, y, MICRO_BATCH, STEPS, fit=True)
           for name in ("sgd", "momentum")}
@@ -450,49 +521,80 @@ assert in_fit["sgd"].updates == UPDATES
 assert (in_fit["sgd"].placement.every_call, in_fit["sgd"].placement.conditional) == (0, 1)
 
 # %% [markdown]
-# ## 5 · The packaged form: `AccumulatingOptimizer`
+# ## 3 · The packaged form: `AccumulatingOptimizer`
 #
-# `distgrad.optimizer.AccumulatingOptimizer(inner_optimizer, accumulation_steps)` is the
-# same shape as a Keras 3 optimizer: its `apply` adds this replica's gradients to
-# replica-local float32 accumulators, then (under `MirroredStrategy`) `merge_call`s into
-# `_cross_replica_step`:
+# `distgrad.AccumulatingOptimizer(inner_optimizer, accumulation_steps)` is the minimal fix
+# as a Keras 3 optimizer, no patch. It adds each replica's gradients to float32
+# replica-local accumulators, then `merge_call`s into `_cross_replica_step`, which counts,
+# conds, and on every replica hands the sums divided by k to the inner optimizer, so
+# `fit`'s mean loss needs no change. `iterations` counts updates; `global_clipnorm` clips
+# the all-reduced mean (deep dives below).
 
 # %%
 show_code(AccumulatingOptimizer._cross_replica_step)
 
 # %% [markdown]
+# <div class="admonition warning">
+# <p class="admonition-title">Limits</p>
+#
+# The §1 check holds for a deterministic model and whole micro-batches. What breaks
+# equivalence with the big batch:
+#
+# * **BatchNorm** normalizes each replica's share of each micro-batch with its own
+#   statistics ([lesson 07](07_beyond_the_basics.ipynb),
+#   [pitfalls](../pitfalls.md#batchnorm-statistics)).
+# * **Dropout** draws other masks than the big batch
+#   ([`keras.layers.Dropout`](https://keras.io/api/layers/regularization_layers/dropout/)):
+#   equal in expectation only.
+# * **A partial last batch**: its mean counts as much as a full micro-batch's
+#   ([pitfalls](../pitfalls.md#mean-of-means); across replicas,
+#   [pitfalls](../pitfalls.md#last-batch-scaling)). Use whole micro-batches, or
+#   `batch(..., drop_remainder=True)`.
+# * **`steps_per_execution > 1`** and **`jit_compile=True`** on several replicas:
+#   `AccumulatingOptimizer` raises a `ValueError` naming the fix at the first step (deep
+#   dive below); stock Keras fails there too
+#   ([upstream](../upstream.md#steps-per-execution), keras-team/keras#19005).
+#
+# </div>
+
+# %% [markdown]
+# ### Deep dive · `_apply_accumulated`, `model.fit` and a custom loop
+#
 # On the taken branch every replica runs `_apply_accumulated`: it divides the sums by the
-# cycle's micro-step count, k (the mean, so `model.fit`'s loss needs no change), clips if
-# the inner optimizer was configured to, and hands the result to the inner optimizer,
-# whose SUM all-reduce is the only gradient communication of the cycle:
+# cycle's micro-step count, k, clips if the inner optimizer was configured to, and hands
+# the result to the inner optimizer, whose SUM all-reduce is the only gradient
+# communication of the cycle:
 
 # %%
 show_code(AccumulatingOptimizer._apply_accumulated)
 
 # %% [markdown]
-# Unlike the minimal fix, it checks every replica's accumulators before it applies
-# (lesson 04 shows why), its accumulators are float32, its counters say what they count
-# (`iterations` is the inner optimizer's: updates; `total_micro_steps`: micro-batches), and
-# it is an optimizer, not a patch: `model.compile(optimizer=AccumulatingOptimizer(...))`.
-# In `model.fit` on R replicas, and in the custom loop, against one-device big-batch `fit`:
+# In `model.fit` on R replicas, and in a custom loop, against one-device big-batch `fit`:
 
 # %%
+from distgrad.lab.recipes import custom_loop_run
+
 adam = OPTIMIZERS["adam"]
 packaged_fit = fit_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x, y, MICRO_BATCH)
 loop = custom_loop_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x, y, MICRO_BATCH)
 show_table(["Adam, accumulated", "max abs diff vs big batch", "updates", "micro-steps"], [
     (name, f"{check_close(run.final, references['adam'].final).max_abs:.1e}", run.updates,
-     run.total_micro_steps) for name, run in (("`model.fit`", packaged_fit), ("custom loop", loop))])
+     run.total_micro_steps)
+    for name, run in (("`model.fit`", packaged_fit), ("custom loop", loop))])
 for run in (packaged_fit, loop):
     assert (run.updates, run.total_micro_steps) == (UPDATES, UPDATES * STEPS)
     assert {a.dtype for a in run.optimizer.accumulators} == {"float32"}
 
 # %% [markdown]
+# ### Deep dive · Clipping the all-reduced mean
+#
 # Clipping must act on the summed update. The wrapper takes the inner optimizer's
-# `global_clipnorm` and clips the all-reduced mean (lesson 01: Keras would clip each
-# replica's partial gradient), paying one extra all-reduce per update:
+# `global_clipnorm` and clips the all-reduced mean (Keras would clip each replica's
+# partial gradient: lesson 01), paying one extra all-reduce per update:
 
 # %%
+from distgrad.lab.graph import fit_step_placement
+
 clipped = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)
 clip_reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
 clip_run = fit_run(strategy, lambda: AccumulatingOptimizer(clipped(), STEPS), x, y, MICRO_BATCH)
@@ -507,18 +609,50 @@ assert not weight_diff(clip_reference.final, references["sgd"].final).within()
 assert (placement.every_call, placement.conditional) == (0, 2)
 
 # %% [markdown]
-# ## 6 · The question's workaround: the mask trick, measured
+# ### Deep dive · What fails at the first step: `steps_per_execution > 1`, `jit_compile=True`
+#
+# On several replicas stock Keras cannot run a `steps_per_execution > 1` step, nor a
+# `jit_compile=True` step on CPU replicas, and fails with an error that names no cause; on
+# GPUs XLA cannot raise on a NaN cycle, which the default `non_finite="raise"` asks for.
+# The wrapper checks while the step is traced, so `fit` fails before a weight moves:
+
+# %%
+from distgrad.lab.data import tiny_model
+
+refused = {}
+for flag, fix in (("steps_per_execution", "steps_per_execution=1"),
+                  ("jit_compile", "jit_compile=False")):
+    with strategy.scope():
+        flagged = tiny_model()
+        flagged.compile(optimizer=AccumulatingOptimizer(adam(), STEPS), loss="mse",
+                        **{flag: 2 if flag == "steps_per_execution" else True})
+    before = flagged.get_weights()
+    try:
+        flagged.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    except ValueError as error:
+        refused[flag] = str(error)
+    assert fix in refused.get(flag, ""), f"{flag}: {refused.get(flag)}"
+    assert all(np.array_equal(a, b) for a, b in zip(flagged.get_weights(), before))  # nothing ran
+    print(f"{flag}: ValueError at the first step, naming {fix}")
+
+# %% [markdown]
+# ## Deep dive · The question's workaround: the mask trick, measured
 #
 # The question's second version drops the `tf.cond` and always calls the original with
 # `accu_gradients * apply`. `mask_trick.QuestionMaskPatch` is it as posted, plus a call
 # counter:
 
 # %%
+import matplotlib.pyplot as plt
+
+from distgrad.pitfalls import mask_trick
+
 show_code(mask_trick.QuestionMaskPatch)
 
 # %% [markdown]
-# The question changes only `apply_gradients`; the rest is the class of §1, statement for
-# statement (`statements` compares the code, not its line breaks, comments or docstring):
+# The question changes only `apply_gradients`; the rest is the class of §2's first deep
+# dive, statement for statement (`statements` compares the code, not its line breaks,
+# comments or docstring):
 
 # %%
 posted_init = statements(_GradientAccumulationPatch.__init__)
@@ -569,8 +703,8 @@ probes = {name: mask_trick.zero_gradient_step(name) for name in OPTIMIZERS}
 probes["sgd+weight_decay"] = mask_trick.zero_gradient_step(
     lambda: keras.optimizers.SGD(0.1, weight_decay=0.1))
 adam_like = [name for name, p in probes.items() if p.moments_vs_decay is not None]
-show_table(["zero-gradient step", "weights moved", "vs the update rule", "moments vs beta · moments",
-            "iterations"], [
+show_table(["zero-gradient step", "weights moved", "vs the update rule",
+            "moments vs beta · moments", "iterations"], [
     (name, f"{p.weight_change_max_abs:.3e}", f"{p.vs_prediction.max_abs:.1e}",
      "" if p.moments_vs_decay is None else f"{p.moments_vs_decay.max_abs:.1e}",
      f"{p.iterations_before} → {p.iterations_after}") for name, p in probes.items()])
@@ -579,7 +713,8 @@ for p in probes.values():
 assert adam_like == ["adam", "adamw"]
 assert all(probes[name].moments_vs_decay.within() for name in adam_like)
 assert probes["sgd"].weight_change_max_abs == 0.0
-assert all(probes[n].weight_change_max_abs > 1e-3 for n in ("momentum", "adam", "adamw", "sgd+weight_decay"))
+assert all(probes[n].weight_change_max_abs > 1e-3
+           for n in ("momentum", "adam", "adamw", "sgd+weight_decay"))
 
 # %% [markdown]
 # And it costs k all-reduces per update instead of one. `fit_step_placement` traces
@@ -615,12 +750,12 @@ ax.legend(fontsize=8)
 fig.tight_layout()
 
 # %% [markdown]
-# ## 7 · The question's own stack: tf-keras `model.fit`
+# ## Deep dive · The question's own stack: tf-keras `model.fit`
 #
 # The question's author wrote Keras 2 (`tf.keras`, TF 2.5), and many users still train
 # on it: TensorFlow ≤ 2.15, or the `tf-keras` package behind `tf.keras` when
 # `TF_USE_LEGACY_KERAS=1` is set before TensorFlow is imported. For them the packaged fix
-# is `distgrad.tf_keras.AccumulatingOptimizer`: section 5's cross-replica cond for
+# is `distgrad.tf_keras.AccumulatingOptimizer`: §3's cross-replica cond for
 # tf-keras' optimizers, `tf.keras.optimizers.*` and the era's
 # `tf.keras.optimizers.legacy.*`. Its `_cross_replica_step` (the file cannot be imported
 # in this Keras 3 process, so we read it):
@@ -637,11 +772,11 @@ display(Code(tf_keras_source[start:tf_keras_source.index("    def _apply_accumul
              language="python"))
 
 # %% [markdown]
-# The shape is section 5's: count once in cross-replica context, cond there, and
+# The shape is §3's: count once in cross-replica context, cond there, and
 # `call_for_each_replica` into the branch, where the inner optimizer's `apply_gradients`
 # all-reduces the cycle's mean. One difference: clipping stays on the inner optimizer,
-# because tf-keras' `apply_gradients` sums over replicas *before* it clips (lesson 01,
-# section 5), as the installed source shows:
+# because tf-keras' `apply_gradients` sums over replicas *before* it clips (unlike
+# Keras 3: lesson 01), as the installed source shows:
 
 # %%
 tf_keras_src = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
@@ -713,65 +848,136 @@ assert {name.removeprefix("legacy ") for name in question_fit.value} == {"moment
 # Equal to the big batch at float32 tolerances for today's tf-keras optimizers and the
 # question's era's `OptimizerV2`, with `iterations` counting updates, on the versions
 # printed above. Under `mixed_float16` — the question's GPU run — the loss-scale wrapper
-# goes *around* it: [lesson 04, section 6](04_loss_scale_optimizer_pitfall.ipynb).
+# goes *around* it: [lesson 04](04_loss_scale_optimizer_pitfall.ipynb).
 
 # %% [markdown]
 # ## Takeaways
 #
-# * The question's patch, as posted, has two Python bugs that Keras 3 exposes: `args,
-#   kwargs` passed as two positional arguments (`TypeError`), and a `zip` read twice
-#   (nothing accumulated, zeros applied). Read `grads_and_vars` into a list once; unpack
-#   with `*args, **kwargs`.
-# * With those fixed, a sync point (`apply_gradients`: all-reduce and mirrored update, both
-#   `merge_call`s) inside a `tf.cond` traced in replica context fails under
-#   `MirroredStrategy`, and under `MultiWorkerMirroredStrategy` outside XLA. Keras 3's
-#   `gradient_accumulation_steps` is such a cond: it works without a strategy and fails in
-#   `model.fit` under `MirroredStrategy` (keras-team/keras#20582).
-# * The minimal fix keeps the cond and moves it to cross-replica context: `merge_call`,
-#   cond, `call_for_each_replica` back to the replicas — as `LossScaleOptimizer` does. One
-#   all-reduce per update; it applies the sum, so the loss must be divided by the update's
-#   global batch.
-# * `AccumulatingOptimizer` packages that as an optimizer: the mean over k micro-batches,
-#   `iterations` counting updates, clipping on the all-reduced mean; equal to big-batch
-#   training in `model.fit` and in a custom loop.
-# * The mask trick runs but is not accumulation: the optimizer updates on every micro-step.
-#   Only plain SGD ignores zero gradients; momentum, Adam and weight decay drift,
-#   `iterations` counts micro-steps, and every micro-step pays the all-reduce.
-# * On the question's own stack, tf-keras, the fix is `distgrad.tf_keras.AccumulatingOptimizer`
-#   wrapped where the question installed its patch: equal to big-batch `model.fit` for
-#   tf-keras' optimizers and the era's `OptimizerV2`, with the question's `train_step`.
+# * `apply_gradients` holds sync points (`merge_call`s): under `MirroredStrategy` none may
+#   sit in a `tf.cond` traced in replica context. Keras 3's `gradient_accumulation_steps`
+#   hits the same wall in `model.fit` (keras-team/keras#20582).
+# * The fix takes the cond in cross-replica context: `merge_call`, cond,
+#   `call_for_each_replica`. One all-reduce per update.
+# * In `model.fit`, wrap the optimizer: `distgrad.AccumulatingOptimizer(inner, k)` equals
+#   one big-batch step per update; an epoch's open cycle carries over. Under
+#   `mixed_float16`, wrap that in `distgrad.AllReplicasFiniteLossScaleOptimizer`.
+# * The 0/1 mask steps the optimizer every micro-batch: only plain SGD survives it.
 #
 # ## Exercises
 #
-# 1. Make `CrossReplicaCondPatch` average: in a subclass, override
-#    `apply_accu_gradients(self, trainable_variables, args, kwargs)` to pass
-#    `[g / tf.cast(self.n, g.dtype) for g in self.accu_gradients]`. Then run
-#    `weight_diff(cond_merge_call.patched_run(strategy, YourPatch, OPTIMIZERS["momentum"],
-#    x, y, MICRO_BATCH, STEPS, fit=True).final, references["momentum"].final)`: is it now
-#    within 1e-6 in `model.fit`?
-# 2. Move the cond back into replica context: write a subclass whose `apply_gradients`
-#    calls `cross_replica_step(tf.distribute.get_strategy())` directly instead of through
-#    `merge_call`. Predict the error of `cond_merge_call.reproduce(strategy, YourPatch)`
-#    from §3, then print `error_line(...error)`.
-# 3. Predict whether the mask trick matches the big batch for Adam when k = 1, then check:
-#    `mask_trick.reproduce(strategy, "adam", steps=1, updates=2,
-#    micro_batch=MICRO_BATCH).mask_vs_big_batch.within()`.
-# 4. In section 7's program, wrap in the question's mixed-precision order instead:
-#    `AccumulatingOptimizer(tf.keras.mixed_precision.LossScaleOptimizer(optimizer),
-#    grad_acc_n)`. Rerun the `%%writefile` cell and the next one: what does the
-#    constructor tell you, and which lesson explains why?
+# ### Exercise 1 · Make the minimal fix average
 #
+# In a subclass of `CrossReplicaCondPatch`, override
+# `apply_accu_gradients(self, trainable_variables, args, kwargs)` to pass
+# `[g / tf.cast(self.n, g.dtype) for g in self.accu_gradients]` to the original. Train it
+# with momentum in `model.fit`:
+# `cond_merge_call.patched_run(strategy, YourPatch, OPTIMIZERS["momentum"], x, y,
+# MICRO_BATCH, STEPS, fit=True)`. Is it now within 1e-6 of `references["momentum"]`?
+
+# %% [markdown]
+# #### Answer
+#
+# Yes: Keras' loss is each micro-batch's mean, so the mean of k of them is the big batch's
+# mean gradient, and the update rule then sees the big batch's gradient once per update.
+
+# %%
+class MeanPatch(CrossReplicaCondPatch):
+    def apply_accu_gradients(self, trainable_variables, args, kwargs):
+        means = [g / tf.cast(self.n, g.dtype) for g in self.accu_gradients]
+        self._orig_apply_gradients(zip(means, trainable_variables), *args, **kwargs)
+        for accumulator in self.accu_gradients:
+            accumulator.assign(tf.zeros_like(accumulator))
+
+
+averaged = cond_merge_call.patched_run(strategy, MeanPatch, OPTIMIZERS["momentum"], x, y,
+                                       MICRO_BATCH, STEPS, fit=True)
+diff = check_close(averaged.final, references["momentum"].final)  # rtol = atol = 1e-6
+print(f"momentum in fit, mean of k: max abs diff vs big batch {diff.max_abs:.1e}")
+assert averaged.updates == UPDATES
+
+# %% [markdown]
+# ### Exercise 2 · Move the cond back into replica context
+#
+# Write a subclass of `CrossReplicaCondPatch` whose `apply_gradients` calls
+# `cross_replica_step(tf.distribute.get_strategy())` directly instead of through
+# `merge_call`. Predict what `cond_merge_call.reproduce(strategy, YourPatch)` does, then
+# run it.
+
+# %% [markdown]
+# #### Answer
+#
+# The question's `RuntimeError`: the cond is traced in replica context again, and the
+# original `apply_gradients` in its branch calls `merge_call`.
+
+# %%
+class ReplicaCondPatch(CrossReplicaCondPatch):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        trainable_variables = [var for (_, var) in grads_and_vars]
+        for i, (grad, _) in enumerate(grads_and_vars):
+            self.accu_gradients[i].assign_add(grad)
+
+        def apply_on_replicas():  # we are on a replica already
+            self.apply_accu_gradients(trainable_variables, args, kwargs)
+
+        tf.cond(self._can_apply_on_next_step(), apply_on_replicas, lambda: None)
+
+
+in_replica = cond_merge_call.reproduce(strategy, ReplicaCondPatch)
+print(f"{in_replica.error.type}: {error_line(in_replica.error, width=84)}")
+assert in_replica.error.type == "RuntimeError"
+assert in_replica.error.contains(cond_merge_call.MERGE_CALL_ERROR)
+
+# %% [markdown]
+# ### Exercise 3 · The mask trick with k = 1
+#
+# Predict whether the mask trick matches the big batch for Adam when k = 1, then check with
+# `mask_trick.reproduce(strategy, "adam", steps=1, updates=2, micro_batch=MICRO_BATCH)`.
+
+# %% [markdown]
+# #### Answer
+#
+# It matches: with k = 1 the mask is 1 on every step, no step gets a zero gradient, and
+# each micro-batch is the big batch.
+
+# %%
+k1 = mask_trick.reproduce(strategy, "adam", steps=1, updates=2, micro_batch=MICRO_BATCH)
+print(f"Adam, k = 1: mask trick vs big batch {k1.mask_vs_big_batch.max_abs:.1e}, "
+      f"{k1.mask_iterations} iterations")
+assert k1.mask_vs_big_batch.within() and k1.mask_iterations == 2
+
+# %% [markdown]
+# ### Exercise 4 · The question's mixed-precision order on tf-keras
+#
+# In the tf-keras deep dive's program, wrap in the question's order instead:
+# `AccumulatingOptimizer(tf.keras.mixed_precision.LossScaleOptimizer(optimizer),
+# grad_acc_n)`. Rerun the `%%writefile` cell and the next one: what does the constructor
+# tell you, and which lesson explains why?
+
+# %% [markdown]
+# #### Answer
+#
+# The constructor raises a `TypeError` before anything runs: wrap the other way round,
+# `LossScaleOptimizer(AccumulatingOptimizer(inner, k))`, which `model.compile` builds by
+# itself under `mixed_float16`, so that each micro-batch is unscaled and checked before
+# it is accumulated. [Lesson 04](04_loss_scale_optimizer_pitfall.ipynb) shows what goes
+# wrong in the question's order. The check that raises it:
+
+# %%
+check_start = tf_keras_source.index("(isinstance(inner_optimizer, keras.mixed_precision.LossScale")
+print(tf_keras_source[check_start:tf_keras_source.index("\n", check_start)].strip())
+assert "TypeError(\n            \"Wrap the other way round" in tf_keras_source[check_start:]
+
+# %% [markdown]
 # ## Further reading
 #
-# * Saving in the middle of an accumulation cycle and restoring it:
-#   [lesson 02, §8](02_accumulate_in_custom_loop.ipynb).
-# * keras-team/keras#20582 — "Rethink the conditional in the gradient accumulation".
-# * keras-team/keras#17429, tensorflow/tensorflow#59487, keras-team/tf-keras#301 — the
-#   same `merge_call` RuntimeError from accumulation in `train_step` / optimizer wrappers.
-# * keras-team/keras#16633, keras-team/tf-keras#107 — gradient accumulation requests.
-# * tensorflow/tensorflow#50454 — the question's own issue; tensorflow/addons#2525 — the
-#   same author's accumulator proposal.
+# * [lesson 02](02_accumulate_in_custom_loop.ipynb#deep-dive-checkpointing-in-the-middle-of-an-update):
+#   saving in the middle of a cycle.
+# * keras-team/keras#20582 (the built-in's conditional); keras-team/keras#17429,
+#   tensorflow/tensorflow#59487, keras-team/tf-keras#301 (the same RuntimeError);
+#   tensorflow/tensorflow#50454 (the question's issue).
+# * API: [`ReplicaContext.merge_call`](https://www.tensorflow.org/api_docs/python/tf/distribute/ReplicaContext#merge_call),
+#   [`StrategyExtended.call_for_each_replica`](https://www.tensorflow.org/api_docs/python/tf/distribute/StrategyExtended),
+#   [`distgrad.AccumulatingOptimizer`](../api.md).
 # * Installed source: `keras/src/optimizers/loss_scale_optimizer.py` (`_tf_apply`),
-#   `keras/src/optimizers/base_optimizer.py` (`_backend_apply_gradients`),
-#   `tensorflow/python/distribute/mirrored_run.py` (`_MirroredReplicaContext._merge_call`),
-#   `tensorflow/python/distribute/merge_call_interim.py`.
+#   `tensorflow/python/distribute/mirrored_run.py` (`_MirroredReplicaContext._merge_call`).

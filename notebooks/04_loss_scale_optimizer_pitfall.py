@@ -16,68 +16,320 @@
 # %% [markdown]
 # # 04 · Patching `apply_gradients` under `mixed_float16`: the LossScaleOptimizer pitfall
 #
-# **The question** ([Q3](../questions.md#q3), second half; TF 2.5, June 2021,
-# tensorflow/tensorflow#50454 "assign_add() not working on GPU?"). The user accumulates
-# gradients by monkey-patching `optimizer.apply_gradients` with the mask patch of
-# [lesson 03 §6](03_cond_and_merge_call.ipynb): add the gradients into variables, always
-# call the original with `accumulated * apply` (apply = 1 every n-th step, else 0), reset
-# with `accumulated * keep`. On the GPU, under `mixed_float16`, the optimizer had been
-# wrapped in a `LossScaleOptimizer` first, and the patch went onto the wrapper: training
-# behaved as if `assign_add` "did nothing", while `assign` converged. They concluded they
-# had patched the wrong instance — but patching `optimizer.inner_optimizer.apply_gradients`
-# "does not work either", and they never found out why.
+# **The question** ([Q3](../questions.md#q3), second half; TF 2.5, 2021,
+# tensorflow/tensorflow#50454). Under `mixed_float16` the user accumulated gradients by
+# monkey-patching `apply_gradients` of the `LossScaleOptimizer`; training behaved as if
+# `assign_add` did nothing. Patching its `inner_optimizer` instead "does not work either".
 #
-# **Short answer.** Patching the wrapper *does* accumulate. What kills it is the first
-# overflow, which dynamic loss scaling expects (it starts at 2**15 and halves): the
-# non-finite micro-batch goes into the accumulator, the reset `inf * 0` is `nan`, and from
-# then on every step hands the wrapper `nan`; it skips every step forever. Patching the
-# inner optimizer fails for a different reason in each Keras: in tf-keras the question's
-# patch returns `None` and breaks the wrapper's `tf.cond`; in Keras 3 the wrapper calls
-# `inner_optimizer.apply`, so the patch never runs. The fix is an accumulating optimizer
-# *inside* the wrapper. On the way we meet a hole in Keras 3's own `LossScaleOptimizer`:
-# it checks finiteness on replica 0 only, so the wrapper to use is distgrad's
-# `AllReplicasFiniteLossScaleOptimizer`, which checks every replica (§5).
+# **Short answer.** Don't patch: pass
+# `distgrad.AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(inner, k))`
+# to `model.compile`. A *loss-scale optimizer* multiplies the loss by a scale so that
+# float16 gradients do not underflow, divides the gradients by it, and skips a step whose
+# gradients overflowed, halving the scale. Outside the accumulator, it unscales and checks
+# each micro-batch before it is accumulated in float32. It must be distgrad's: under
+# `MirroredStrategy` (one *replica*, a copy of the model, per device) Keras 3's own
+# wrapper decides "finite" from the first replica only, and an `AccumulatingOptimizer`
+# inside it (`compile` adds it under `mixed_float16`) is refused with an error naming this
+# fix. The question's patch dies at the first overflow: the reset `inf * 0` is `nan`, and
+# every later step is skipped.
 
 # %%
 import distgrad
+import tensorflow as tf
+from distgrad.lab.display import show_code, show_environment, show_table
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
-
-from distgrad.lab.display import show_environment, show_table
-
+assert R >= 2, "this lesson needs several replicas: set DISTGRAD_REPLICAS >= 2"
+tf.get_logger().setLevel("ERROR")  # no INFO lines; the cells below retrace on purpose
 show_environment(distgrad.environment_report(strategy))
 
+# %% [markdown]
+# ## 1 · The fix
+#
+# `model.fit` over `tf.data` under `mixed_float16`, the composition given to `compile`.
+
+# %% tags=["fix"]
+import keras
+import numpy as np
+import tensorflow as tf
+
+import distgrad  # the fix: AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(...))
+
+# Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
+cpu = tf.config.list_physical_devices("CPU")[0]
+if not (tf.config.list_physical_devices("GPU") or tf.config.get_logical_device_configuration(cpu)):
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.experimental.enable_tensor_float_32_execution(False)  # exact float32 for the check
+devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+strategy = tf.distribute.MirroredStrategy(devices)
+
+keras.mixed_precision.set_global_policy("mixed_float16")  # float16 math, float32 weights
+accumulation_steps, micro_batch = 2, 8 * strategy.num_replicas_in_sync  # 8 examples a replica
+rng = np.random.default_rng(0)
+x = rng.normal(size=(9 * micro_batch, 4)).astype("float32")  # 9 micro-batches: 4 cycles + 1
+y = x @ rng.normal(size=(4, 1)).astype("float32")
+examples = tf.data.Dataset.from_tensor_slices((x, y))
+with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(1),
+        keras.layers.Activation("linear", dtype="float32"),  # float32 output: float32 loss
+    ])
+    initial_weights = model.get_weights()  # for the check
+    # The loss-scale wrapper OUTSIDE the accumulator: it unscales each micro-batch, and skips
+    # one that overflowed on ANY replica before it reaches the float32 accumulators.
+    optimizer = distgrad.AllReplicasFiniteLossScaleOptimizer(
+        distgrad.AccumulatingOptimizer(keras.optimizers.SGD(0.1), accumulation_steps),
+        initial_scale=2.0**10)  # as the check's reference (Keras' default: 2**15)
+    model.compile(optimizer=optimizer, loss="mse")  # a LossScaleOptimizer already: kept as is
+# The epoch ends with a cycle open (micro-batch 9): "flush" applies it now, as the mean of
+# its micro-batches; the default, "carry", would complete it with the next epoch's first.
+history = model.fit(examples.batch(micro_batch), epochs=1, shuffle=False, verbose=0,
+                    callbacks=[distgrad.AccumulationCallback("flush")])
+
+# %% tags=["check"]
+# One device, no strategy: one big-batch step per cycle, same policy and loss scale.
+reference = keras.models.clone_model(model)  # the same layers, mixed_float16 too
+reference.set_weights(initial_weights)
+reference.compile(optimizer=keras.mixed_precision.LossScaleOptimizer(
+    keras.optimizers.SGD(0.1), initial_scale=2.0**10), loss="mse")
+reference.fit(examples.batch(accumulation_steps * micro_batch), shuffle=False, verbose=0)
+updates = optimizer.inner_optimizer.iterations.numpy(), reference.optimizer.iterations.numpy()
+assert updates == (5, 5) and optimizer.skipped_steps.numpy() == 0  # 4 cycles + 1, none skipped
+for accumulated, big_batch in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(accumulated, big_batch, rtol=1e-2, atol=1e-3)  # float16 math
+
+# %% [markdown]
+# Equal within float16's rounding: with 10 mantissa bits, two orders of summation agree
+# to about 1e-3 (float32 lessons check at 1e-6).
+
+# %% [markdown]
+# ## 2 · Why it works
+#
+# ### Keras' own wrapper is refused
+#
+# Given the `AccumulatingOptimizer` alone under `mixed_float16`, `compile` wraps it in
+# Keras' own `LossScaleOptimizer` (`mixed_precision_fit(..., initial_scale=None)` does
+# that). The first step fails, on any number of replicas:
+
 # %%
-import importlib.util
 import inspect
-import pathlib
 import re
 import textwrap
 import warnings
-
-import keras
 import matplotlib.pyplot as plt
-import numpy as np
-import tensorflow as tf
 from IPython.display import Code, display
 from keras.src.optimizers import loss_scale_optimizer
-
-from distgrad.lab import mixed
-from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
-from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
-from distgrad.pitfalls import loss_scale_patch as lsp
+from distgrad.lab import mixed  # the lesson's data and model.fit runs (not for your code)
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
-from distgrad.pitfalls.mask_trick import QuestionMaskPatch
-
-tf.get_logger().setLevel("ERROR")  # fresh tf.functions on purpose: silence retracing notes
-assert R >= 2, "this lesson needs several replicas: set DISTGRAD_REPLICAS >= 2"
-S, C = mixed.DEFAULT_INITIAL_SCALE, mixed.CONTROLLED_INITIAL_SCALE
-MIXED = {"rtol": mixed.MIXED_PRECISION_RTOL, "atol": mixed.MIXED_PRECISION_ATOL}
-print(f"default initial loss scale {S:g}; mixed-precision tolerance {MIXED}")
+keras.mixed_precision.set_global_policy("float32")  # the fix cell's; the runs below set theirs
+mb = 4 * R  # the global micro-batch of the runs below (`strategy`: the fix cell's)
+x8, y8 = mixed.overflow_data(8, mb, None, R)
+try:
+    mixed.mixed_precision_fit(strategy, x8, y8, mb, 2, initial_scale=None)  # compile wraps it
+    raise AssertionError("Keras' own wrapper was accepted")
+except ValueError as err:
+    refusal = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # Keras' traceback adds terminal bold
+refusal = refusal[refusal.index("AccumulatingOptimizer is inside"):].partition("\n\n")[0]
+assert "from replica 0 only" in refusal
+assert "AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(" in refusal
+parts = refusal.replace("optimizer=distgrad.", "optimizer=\ndistgrad.").split("\n")
+print("ValueError:", *(textwrap.fill(part, 92, initial_indent="  ", subsequent_indent="  ")
+                       for part in parts), sep="\n")
 
 # %% [markdown]
-# ## The question's two patches
+# ### Keras' wrapper reads replica 0's flag
+#
+# Each replica's gradients are summed over replicas (*all-reduced*) later, in the inner
+# optimizer. `LossScaleOptimizer._tf_apply` asks every replica whether its gradients are
+# finite, and keeps replica 0's answer:
+
+# %%
+tf_apply = inspect.getsource(loss_scale_optimizer.LossScaleOptimizer._tf_apply)
+excerpt = tf_apply[tf_apply.index("finite_per_replica ="):tf_apply.index("def apply_fn")]
+display(Code(excerpt.rstrip(), language="python"))
+assert "experimental_local_results(" in excerpt and ")[0]" in excerpt
+
+# %% [markdown]
+# The comment held in tf-keras, which all-reduced first (tf-keras deep dive). The
+# experiment (source below): `model.fit`, `SGD`, the wrapper `compile` adds (scale
+# S = 2**15), a target 1e4 in the listed replicas' shards of micro-batch 2.
+
+# %%
+S = mixed.DEFAULT_INITIAL_SCALE
+rows, runs, warned = [], {}, {}
+for hit in [(1,), (0,), tuple(range(R))]:  # the replicas whose shard overflows
+    flags = first_replica.finite_flags(strategy, overflow_replicas=hit).finite_by_replica
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stock = first_replica.reproduce(strategy, overflow_replicas=hit)
+        fixed = first_replica.reproduce(strategy, overflow_replicas=hit, fixed=True)
+    runs[hit] = stock, fixed
+    warned[hit] = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
+    assert stock.weights_finite == (0 in hit)  # Keras' wrapper: only replica 0's flag counts
+    assert fixed.weights_finite and fixed.loss_scales == (S, S / 2, S / 2, S / 2)  # distgrad's
+    rows.append((hit, flags, *(f"{', '.join(f'{s / S:g}' for s in run.loss_scales)}; "
+                               f"{run.weights_finite}" for run in (stock, fixed))))
+show_table(["overflow on", "`check_finite` per replica", "Keras: scale ÷ S; finite weights",
+            "distgrad: scale ÷ S; finite weights"], rows)
+display(show_code(first_replica.reproduce))
+
+# %% [markdown]
+# On replica 1's overflow Keras' wrapper applies the step: the all-reduce sums `inf` into
+# every copy of the weights. distgrad's wrapper ANDs all replicas' flags, read in
+# *cross-replica context* (inside `merge_call`, where one function sees every replica's
+# values; the per-replica step runs in *replica context*), and skips in every row.
+
+# %% [markdown]
+# ### Deep dive · The same runs, step by step
+
+# %%
+from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
+
+ours = inspect.getsource(AllReplicasFiniteLossScaleOptimizer._tf_apply)
+start, end = ours.index("        def _handle_cross_replica"), ours.index("            def apply_fn")
+display(Code(textwrap.dedent(ours[start:end]).rstrip(), language="python"))
+assert "finite = tf.reduce_all(tf.stack(" in ours and ")[0]" not in ours
+for hit, (stock, fixed) in runs.items():
+    assert len(warned[hit]) == 1 and warned[hit][0].startswith(  # and it says so, once
+        "AllReplicasFiniteLossScaleOptimizer: 1 step(s) skipped in this fit")
+    assert fixed.iterations == (1, 1, 2, 3)  # skipped, exactly as the stock one skips replica 0's
+    check_close(fixed.final_weights, runs[(0,)][0].final_weights, rtol=0, atol=0)
+applied = runs[(1,)][0]  # Keras' wrapper saw nothing wrong and applied micro-batch 2
+assert applied.loss_scales[1] == S and applied.iterations[:2] == (1, 2)
+assert applied.weight_changes[1] == float("inf")
+for hit in [(0,), tuple(range(R))]:  # skipped: iterations wait, the scale halves once
+    stock = runs[hit][0]
+    assert stock.loss_scales == (S, S / 2, S / 2, S / 2) and stock.iterations == (1, 1, 2, 3)
+    assert stock.weight_changes[1] == 0.0
+show_table(["overflow on", "Keras: iterations", "Keras: max |Δw|", "distgrad: iterations"], [
+    (hit, ", ".join(map(str, stock.iterations)),
+     ", ".join(f"{change:.2g}" for change in stock.weight_changes),
+     ", ".join(map(str, fixed.iterations))) for hit, (stock, fixed) in runs.items()])
+
+# %% [markdown]
+# `iterations` counts applied steps: Keras' wrapper applied micro-batch 2 on replica 1's
+# overflow (an infinite weight change); every skip leaves `iterations` and the weights
+# alone and halves the scale once. distgrad's wrapper skips exactly as Keras' skips an
+# overflow on replica 0, to the bit, and warns once at the end of the `fit`.
+
+# %% [markdown]
+# ### With accumulation: skipped on every replica, no cycle lost
+#
+# The fix's composition in `model.fit`, read after each micro-batch: 16 micro-batches,
+# k = 2, the scale doubling after 4 good ones, an outlier at micro-batch 8 on every
+# replica and one at 12 on replica 1 only.
+
+# %%
+ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER, START = 8, 12, 2.0**8
+x16, y16 = mixed.overflow_data(16, mb, ALL_REPLICAS_OUTLIER, R)  # a target 1e4 in every shard
+y16[(ONE_REPLICA_OUTLIER - 1) * mb + mb // R] = mixed.OUTLIER_TARGET  # in replica 1's shard
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    safe = mixed.mixed_precision_fit(strategy, x16, y16, mb, 2, initial_scale=START,
+                                     dynamic_growth_steps=4)
+fig, (ax_scale, ax_count) = plt.subplots(1, 2, figsize=(10, 3))
+micro_batches = np.arange(1, 17)
+ax_scale.step(micro_batches, np.log2(safe.loss_scales), where="post")
+ax_count.step(micro_batches, safe.iterations, where="post", label="updates")
+ax_count.step(micro_batches, safe.total_micro_steps, "--", where="post", label="accumulated")
+for ax, title in ((ax_scale, "log2(loss scale)"), (ax_count, "micro-batches, updates")):
+    ax.axvline(ALL_REPLICAS_OUTLIER, color="gray", linestyle=":", label="outlier, all replicas")
+    ax.axvline(ONE_REPLICA_OUTLIER, color="red", linestyle=":", label="outlier, replica 1")
+    ax.set(title=title, xlabel="micro-batch")
+ax_count.legend(fontsize=8)
+before = (START,) + safe.loss_scales[:-1]
+halved = [t + 1 for t, (b, a) in enumerate(zip(before, safe.loss_scales)) if a == b / 2]
+assert halved == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER] and all(safe.weights_finite)
+
+# %% [markdown]
+# The scale halves at both outliers, replica 1's too. A skipped micro-batch is not
+# accumulated (the dashed line stands still); the cycle waits for two good ones.
+
+# %% [markdown]
+# ### Deep dive · The skipped micro-batches in numbers, and the warning
+
+# %%
+def skipped(record):
+    """Micro-batches the wrapper skipped: `total_micro_steps` did not move."""
+    previous = (0,) + record.total_micro_steps[:-1]
+    return [t + 1 for t, (a, b) in enumerate(zip(previous, record.total_micro_steps)) if a == b]
+
+
+show_table(["skipped micro-batches", "dropped cycles", "updates", "total_micro_steps"], [
+    (skipped(safe), safe.skipped_updates, ", ".join(map(str, safe.iterations)),
+     ", ".join(map(str, safe.total_micro_steps)))])
+skip_warnings = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
+print("UserWarning:", textwrap.fill(skip_warnings[0], 88, subsequent_indent="  "))
+assert halved == skipped(safe) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
+assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2  # every cycle applied
+assert safe.skipped_updates == 0  # no cycle dropped
+assert len(skip_warnings) == 1 and "2 micro-batch(es) skipped in this fit" in skip_warnings[0]
+
+# %% [markdown]
+# ## 3 · The packaged form
+#
+# [`distgrad.AccumulatingOptimizer`](../api.md#distgrad.optimizer.AccumulatingOptimizer)
+# inside [`distgrad.AllReplicasFiniteLossScaleOptimizer`](../api.md#distgrad.mixed_precision)
+# (`src/distgrad/optimizer.py`, `mixed_precision.py`). Each micro-batch is **unscaled
+# with its own scale, then accumulated** in **float32**; one that overflowed on any
+# replica is **skipped before accumulation** (the cycle waits for k good ones); the inner
+# optimizer steps **once per cycle**, so `iterations` counts updates. An open cycle
+# carries on into the next epoch unless `AccumulationCallback("flush")` applies it. On
+# tf-keras, `compile` builds this order itself around `distgrad.tf_keras.AccumulatingOptimizer`.
+
+# %% [markdown]
+# <div class="admonition warning">
+# <p class="admonition-title">Limits</p>
+#
+# * **float16 rounding**: equal to the big batch within `rtol=1e-2, atol=1e-3`, not 1e-6.
+# * **Skips**: an overflow skips one micro-batch; the run then equals the big batch
+#   without it (tf-keras deep dive).
+# * **`steps_per_execution > 1` and XLA (`jit_compile`)** on several replicas fail in stock
+#   Keras too ([upstream](../upstream.md#steps-per-execution)); distgrad refuses them at
+#   once, naming the fix ([API](../api.md#distgrad.optimizer.AccumulatingOptimizer)).
+# * **tf-keras `.h5`** under `mixed_float16` cannot restore the optimizer: save as `.keras`
+#   ([API](../api.md#distgrad.tf_keras.optimizer.AccumulatingOptimizer)).
+# * **BatchNorm** normalises each micro-batch by its own statistics
+#   ([lesson 07](07_beyond_the_basics.ipynb), [pitfalls](../pitfalls.md#batchnorm-statistics)).
+# * **A smaller last micro-batch**: `"flush"` averages micro-batch means
+#   ([pitfalls](../pitfalls.md#mean-of-means)).
+#
+# </div>
+
+# %% [markdown]
+# ## Deep dive · The composition against the big batch, four optimizers
+#
+# The composition handed to `compile` (what `mixed.mixed_precision_fit` builds by default),
+# on the 8 micro-batches of section 2, against 4 big-batch steps, for SGD, SGD with
+# momentum, Adam and AdamW:
+
+# %%
+MIXED = {"rtol": mixed.MIXED_PRECISION_RTOL, "atol": mixed.MIXED_PRECISION_ATOL}
+print(f"mixed-precision tolerance {MIXED}")
+fixed_default = mixed.mixed_precision_fit(strategy, x8, y8, mb, 2)  # the wrapper given to compile
+print(f"{fixed_default.wrapper}({fixed_default.wrapped})")
+print("accumulators:", ", ".join(fixed_default.accumulator_dtypes))
+assert fixed_default.wrapper == "AllReplicasFiniteLossScaleOptimizer"
+assert fixed_default.wrapped == "AccumulatingOptimizer"
+assert fixed_default.accumulator_dtypes == ("float32",) * 4 and all(fixed_default.weights_finite)
+rows = []
+for name, make in OPTIMIZERS.items():  # SGD(0.1), with momentum, Adam(0.01), AdamW
+    accumulated = mixed.mixed_precision_fit(strategy, x8, y8, mb, 2, make)
+    big_batch = mixed.mixed_precision_fit(strategy, x8, y8, 2 * mb, None, make)
+    diff = check_close(accumulated.final_weights, big_batch.final_weights, **MIXED)
+    rows.append((name, f"{diff.max_abs:.1e}", ", ".join(map(str, accumulated.iterations))))
+    check_not_close(accumulated.final_weights, accumulated.initial_weights, **MIXED)  # it trained
+    assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)  # updates, not micro-batches
+    assert accumulated.total_micro_steps == tuple(range(1, 9))
+    assert accumulated.accumulator_dtypes == ("float32",) * 4
+show_table(["8 micro-batches, k = 2", "vs 4 big-batch steps", "iterations"], rows)
+
+# %% [markdown]
+# ## Deep dive · The question's two patches in Keras 3
 #
 # The question's answer shows how the patch was installed, and the variant that "does
 # NOT work either" (quoted as posted):
@@ -102,11 +354,18 @@ print(f"default initial loss scale {S:g}; mixed-precision tolerance {MIXED}")
 # ```
 #
 # As runnable code, both patches: the accumulator is `QuestionMaskPatch`, the question's
-# class as posted ([lesson 03 §6](03_cond_and_merge_call.ipynb) shows it), built on the
-# `apply_gradients` it replaces. `model.compile` under `mixed_float16` would add the same
-# `LossScaleOptimizer` by itself; the user did it by hand.
+# class as posted ([lesson 03](03_cond_and_merge_call.ipynb) shows it): every call adds
+# the gradients into variables, calls the original with `accumulated * apply` (apply = 1
+# every n-th call, else 0) and resets with `accumulated * keep` (keep = 1 - apply).
 
 # %%
+from distgrad.pitfalls import loss_scale_patch as lsp
+from distgrad.pitfalls.mask_trick import QuestionMaskPatch
+
+C = mixed.CONTROLLED_INITIAL_SCALE
+print(f"default initial loss scale S = {S:g}, controlled C = {C:g}")
+
+
 def install_question_patch(optimizer, n, trainable_variables, target):
     """Patch `optimizer` (a LossScaleOptimizer) as the question did; returns the accumulator."""
     if target == "loss_scale_optimizer":  # the question's run: the wrapper's method
@@ -123,10 +382,9 @@ def install_question_patch(optimizer, n, trainable_variables, target):
 # %% [markdown]
 # The `lsp` functions below (`distgrad.pitfalls.loss_scale_patch`) take it as `install=`:
 # they build a tiny model and `LossScaleOptimizer(SGD)` under the strategy scope, call it,
-# compile, and run `model.fit` under `mixed_float16` (`mixed.mixed_precision_policy()`
-# restores `float32` afterwards).
+# compile, and run `model.fit` under `mixed_float16`.
 #
-# ## 1 · Keras 3: which methods run, where, on which gradients
+# ### Which methods run, where, on which gradients
 #
 # `lsp.spy_patched_fit` runs two micro-batches of `model.fit` with n = 2 and records every
 # *execution* of the methods between the train step and the variable update. To make
@@ -161,10 +419,9 @@ assert all(abs(c.scale_seen / 2 - 1) < 1e-2 for c in wrapper_patch.of("SGD.apply
 # %% [markdown]
 # Read it top to bottom. The patch runs per replica, in replica context, on **scaled**
 # float32 gradients: Keras 3's `TensorFlowTrainer.train_step` multiplies the loss by
-# `optimizer.scale_loss` and differentiates with respect to the float32 variables (the
-# float16 part of the backward pass is inside; the cast back to float32 is the last op).
-# On step 1 it hands the wrapper zeros; on step 2 the scaled *sum* (2 × scale); the
-# wrapper checks finiteness, divides by its current `dynamic_scale` in
+# `optimizer.scale_loss` and differentiates with respect to the float32 variables. On
+# step 1 it hands the wrapper zeros; on step 2 the scaled *sum* (2 × scale); the wrapper
+# checks finiteness, divides by its current `dynamic_scale` in
 # `_stateful_handle_finite_grads`, and the inner `SGD.apply` gets the unscaled sum; its
 # all-reduce then sums the replicas. So, without overflows, this *is* accumulation.
 #
@@ -185,27 +442,28 @@ display(Code("\n".join(line for line in source.splitlines() if "inner_optimizer"
 # `self.inner_optimizer.apply(...)`, not `apply_gradients`, so the instance attribute the
 # user set is never looked up. Training is plain, non-accumulating training.
 #
-# ## 2 · Keras 3: the overflow that freezes the weights
+# ### The overflow that freezes the weights
 #
 # `lsp.reproduce` runs 6 micro-batches (n = 2, SGD 0.1) in ordinary graph-mode `fit` and
 # records, after each, the loss scale, `iterations`, the largest weight change and what
-# the patch's accumulators hold. To control overflows we start the scale at `C` and give
-# micro-batch 3 one example whose target is `OUTLIER_TARGET`: its *scaled* gradient
-# exceeds float16's 65504 while the float32 loss stays finite — an overflow caused by loss
-# scaling, as in real training.
+# the patch's accumulators hold. The scale starts at `C` and micro-batch 3 holds one
+# example whose target is `OUTLIER_TARGET`: its *scaled* gradient exceeds float16's 65504
+# while the float32 loss stays finite, an overflow caused by loss scaling, as in real
+# training.
 
 # %%
-runs = {target: lsp.reproduce(strategy, target, overflow_step=3, install=install_question_patch)
-        for target in ("none", "loss_scale_optimizer", "inner_optimizer")}
+freeze_runs = {target: lsp.reproduce(strategy, target, overflow_step=3,
+                                     install=install_question_patch)
+               for target in ("none", "loss_scale_optimizer", "inner_optimizer")}
 labels = {"none": "stock wrapper, no patch", "loss_scale_optimizer": "patch on the wrapper",
           "inner_optimizer": "patch on inner_optimizer"}
 micro = np.arange(1, 7)
 fig, (ax_scale, ax_change, ax_state) = plt.subplots(1, 3, figsize=(12, 3.3))
-for (target, run), marker in zip(runs.items(), "os^"):
+for (target, run), marker in zip(freeze_runs.items(), "os^"):
     ax_scale.plot(micro, np.log2(run.loss_scales), marker=marker, label=labels[target])
     ax_change.plot(micro, np.maximum(run.weight_changes, 1e-6), marker=marker,
                    label=labels[target])
-states = runs["loss_scale_optimizer"].accumulator_states
+states = freeze_runs["loss_scale_optimizer"].accumulator_states
 levels = {"finite": 0, "inf": 1, "nan": 2}
 ax_state.step(micro, [levels[s] for s in states], where="mid", color="C1", marker="s")
 ax_state.set_yticks(list(levels.values()), list(levels))
@@ -221,7 +479,8 @@ ax_scale.legend(fontsize=7)
 fig.tight_layout()
 
 # %%
-stock, wrapped, inner = runs["none"], runs["loss_scale_optimizer"], runs["inner_optimizer"]
+stock, wrapped, inner = (freeze_runs[t] for t in ("none", "loss_scale_optimizer",
+                                                   "inner_optimizer"))
 assert stock.loss_scales == (C, C) + (C / 2,) * 4 and stock.weight_changes[2] == 0.0
 assert stock.iterations == (1, 2, 2, 3, 4, 5)  # only micro-batch 3 skipped
 assert min(stock.weight_changes[:2] + stock.weight_changes[3:]) > 0.01
@@ -235,16 +494,18 @@ check_close(inner.final_weights, stock.final_weights, rtol=0, atol=0)  # plain t
 show_table(["", "loss scale ÷ C", "iterations", "accumulator"], [
     (labels[t], ", ".join(f"{s / C:g}" for s in r.loss_scales), ", ".join(map(str, r.iterations)),
      "" if r.accumulator_states is None else ", ".join(r.accumulator_states))
-    for t, r in runs.items()])
+    for t, r in freeze_runs.items()])
 
 # %% [markdown]
 # The stock wrapper skips micro-batch 3, halves the scale once and trains on. The
 # patched wrapper skips *every* step from the overflow on: micro-batch 3's non-finite
 # gradient is added into the accumulator, the next reset multiplies it by keep = 0, and
-# `inf * 0` is `nan`; from then on the accumulator holds `nan`, every step hands the
-# wrapper a non-finite gradient, the scale halves each step, the weights are frozen —
-# "assign_add does nothing". With `assign(grad)` the poison is overwritten on the next
-# step, which is why the user's `assign` run converged.
+# `inf * 0` is `nan`; from then on every step hands the wrapper a non-finite gradient,
+# the scale halves each step, the weights are frozen: "assign_add does nothing". With
+# `assign(grad)` the poison is overwritten on the next step, which is why the user's
+# `assign` run converged.
+#
+# ### Before the first overflow, and without an outlier
 #
 # Before the first overflow the wrapper patch matches one big-batch step per window (the
 # patch sums micro-batch gradients, so the reference uses twice the learning rate):
@@ -253,8 +514,8 @@ show_table(["", "loss scale ÷ C", "iterations", "accumulator"], [
 clean = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None,
                       install=install_question_patch)
 no_accumulation = lsp.reproduce(strategy, "none", overflow_step=None)
-print("patch on the wrapper vs big batch:",
-      f"{check_close(clean.final_weights, lsp.accumulated_reference(strategy), **MIXED).max_abs:.1e}")
+clean_diff = check_close(clean.final_weights, lsp.accumulated_reference(strategy), **MIXED)
+print(f"patch on the wrapper vs big batch: {clean_diff.max_abs:.1e}")
 check_not_close(clean.final_weights, no_accumulation.final_weights, **MIXED)
 assert clean.iterations == (1, 2, 3, 4, 5, 6)  # but `iterations` counts micro-batches
 
@@ -274,7 +535,31 @@ assert natural_stock.loss_scales[0] == S / 2 and natural_stock.iterations[-1] >=
 assert natural_patch.iterations == (0,) * 6 and natural_patch.weight_changes == (0.0,) * 6
 
 # %% [markdown]
-# ## 3 · The original: tf-keras, the question's own `train_step`
+# ### A scale that changes inside a cycle
+#
+# With the scale doubling after every micro-batch (`dynamic_growth_steps=1`), the two
+# micro-batches of a cycle are computed at different scales. The fix unscales each one
+# with its own; the question's wrapper patch divides the scaled sum by the latest scale:
+
+# %%
+x6, y6 = mixed.overflow_data(6, mb, None, R)  # the data of `lsp.accumulated_reference`
+fixed_growing = mixed.mixed_precision_fit(strategy, x6, y6, mb, 2,
+                                          lambda: keras.optimizers.SGD(0.2), initial_scale=16,
+                                          dynamic_growth_steps=1)
+patched_growing = lsp.reproduce(
+    strategy, "loss_scale_optimizer", overflow_step=None, initial_scale=16,
+    wrapper=lambda inner, **kw: keras.mixed_precision.LossScaleOptimizer(
+        inner, **{**kw, "dynamic_growth_steps": 1}),
+    install=install_question_patch)
+growing_reference = lsp.accumulated_reference(strategy, initial_scale=16)
+print("loss scales", fixed_growing.loss_scales)
+print("AccumulatingOptimizer vs big batch:",
+      f"{check_close(fixed_growing.final_weights, growing_reference, **MIXED).max_abs:.1e}")
+patch_diff = check_not_close(patched_growing.final_weights, growing_reference, **MIXED)
+print(f"the question's patch on the wrapper vs big batch: {patch_diff.max_abs:.1e}")
+
+# %% [markdown]
+# ## Deep dive · The question's own stack: tf-keras
 #
 # The user wrote Keras 2 code: a custom `train_step` with `get_scaled_loss` /
 # `get_unscaled_gradients` and the era's `OptimizerV2` (`tf.keras.optimizers.legacy.SGD`).
@@ -284,12 +569,17 @@ assert natural_patch.iterations == (0,) * 6 and natural_patch.weight_changes == 
 # TensorFlow is imported:
 
 # %%
-legacy_file = pathlib.Path(importlib.util.find_spec("distgrad.pitfalls").submodule_search_locations[0],
-                           "legacy_loss_scale.py").read_text()
+import importlib.util
+import pathlib
+
+pitfalls_folder = importlib.util.find_spec("distgrad.pitfalls").submodule_search_locations[0]
+legacy_file = pathlib.Path(pitfalls_folder, "legacy_loss_scale.py").read_text()
 start = legacy_file.index("    def train_step(self, data):")
 display(Code(legacy_file[start:legacy_file.index("\n\n", start)], language="python"))
 
 # %% [markdown]
+# ### The two patches in tf-keras
+#
 # `lsp.legacy_reproduction` runs it, the same data and both patches, plus tf-keras'
 # newer optimizer (`LossScaleOptimizerV3`):
 
@@ -336,12 +626,14 @@ assert "experimental_aggregate_gradients=False" in legacy_source
 #   mixed tolerance): correct accumulation of *unscaled* gradients (the question's train
 #   step unscales first) until the overflow, frozen after it. tf-keras counts the skipped
 #   steps in `iterations`.
-# * **Patch on `inner_optimizer`** is reached in tf-keras — `LossScaleOptimizer._apply_gradients`
+# * **Patch on `inner_optimizer`** is reached in tf-keras (`LossScaleOptimizer._apply_gradients`
 #   calls `self._optimizer.apply_gradients(..., experimental_aggregate_gradients=False)`
-#   from `call_for_each_replica` — but inside the wrapper's
+#   from `call_for_each_replica`), but inside the wrapper's
 #   `smart_cond(should_apply_grads, apply_fn, do_not_apply_fn)`. The question's patch
 #   returns `None`; `do_not_apply_fn` returns the `iterations` increment: the branches'
 #   outputs differ and tracing fails with the `ValueError` above.
+#
+# ### Returning the result
 #
 # Returning the original's result is enough to make it trace:
 
@@ -366,216 +658,37 @@ show_table(["patch on inner, returning the result", "value"], [
 # That gets one thing right: the accumulator sits *inside* the wrapper, so the wrapper
 # skips the overflowing micro-batch before it reaches the accumulator (5 calls for 6
 # micro-batches) and nothing is poisoned. But it is still the mask trick of
-# [lesson 03 §6](03_cond_and_merge_call.ipynb): every call runs the inner optimizer's
+# [lesson 03](03_cond_and_merge_call.ipynb): every call runs the inner optimizer's
 # `apply_gradients`, mostly with zeros, so `iterations` counts micro-batches, and a
 # momentum or Adam optimizer would drift; it only looks right here because SGD ignores a
-# zero gradient. The right composition is the same order with real accumulation (§5).
-
-# %% [markdown]
-# ## 4 · A hole in Keras 3's wrapper: `finite` from the first replica
+# zero gradient. The right composition is the same order with real accumulation.
 #
-# `LossScaleOptimizer._tf_apply` (installed source):
+# ### tf-keras checked every replica: it all-reduced first
+#
+# tf-keras' `LossScaleOptimizer.apply_gradients` all-reduces the gradients (through the
+# wrapped optimizer's `aggregate_gradients`) *before* it checks them, so the comment
+# section 2 showed in Keras 3 was true there, and an overflow on replica 1 only is
+# skipped:
 
 # %%
-tf_apply = inspect.getsource(loss_scale_optimizer.LossScaleOptimizer._tf_apply)
-excerpt = tf_apply[tf_apply.index("finite_per_replica ="):tf_apply.index("def apply_fn")]
-display(Code(excerpt.rstrip(), language="python"))
-assert "experimental_local_results(" in excerpt and ")[0]" in excerpt
 assert "grads_and_vars = self._optimizer.aggregate_gradients(grads_and_vars)" in legacy_source
-
-# %% [markdown]
-# The comment is inherited from tf-keras, whose `apply_gradients` all-reduces the
-# gradients *before* the check ("so that any NaN or Inf gradients are propagated to each
-# replica"). Keras 3's train step passes each replica's *partial* gradients; the SUM
-# happens later, inside the inner optimizer. Plain `model.fit`, SGD, `mixed_float16`, the
-# default scale, an overflow in one replica's shard of micro-batch 2:
-
-# %%
-rows, stock_runs = [], {}
-for replicas_hit in [(1,), (0,), tuple(range(R))]:
-    run = stock_runs[replicas_hit] = first_replica.reproduce(strategy, overflow_replicas=replicas_hit)
-    flags = first_replica.finite_flags(strategy, overflow_replicas=replicas_hit)
-    rows.append((replicas_hit, flags.finite_by_replica, ", ".join(f"{s / S:g}" for s in run.loss_scales),
-                 run.weights_finite))
-    assert run.weights_finite == (0 in replicas_hit)  # only replica 0's flag counts
-show_table(["overflow on replicas", "`check_finite` per replica", "loss scale ÷ S",
-            "weights finite"], rows)
-applied = stock_runs[(1,)]  # the wrapper saw nothing wrong and applied micro-batch 2
-assert applied.loss_scales[1] == S and applied.iterations[:2] == (1, 2)
-assert applied.weight_changes[1] == float("inf")
-for replicas_hit in [(0,), tuple(range(R))]:  # skipped: iterations wait, the scale halves once
-    run = stock_runs[replicas_hit]
-    assert run.loss_scales == (S, S / 2, S / 2, S / 2) and run.iterations == (1, 1, 2, 3)
-    assert run.weight_changes[1] == 0.0
 stock_legacy = legacy["stock, overflow on replica 1 only"]  # tf-keras got it right:
 assert stock_legacy.weights_finite and stock_legacy.weight_changes[2] == 0.0
 assert stock_legacy.loss_scales == returning.loss_scales  # skipped, the scale halved once
+print("tf-keras, overflow on replica 1 only: loss scales", stock_legacy.loss_scales)
 
 # %% [markdown]
-# An overflow on replica 1 only is applied: the inner optimizer's all-reduce sums `inf`
-# into every copy of the weights. The fix,
-# `distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer`, is the stock wrapper
-# with `finite = reduce_all(stack(experimental_local_results(...)))`: all replicas'
-# flags, read in cross-replica context (no extra collective).
-
-# %%
-for replicas_hit in [(1,), (0,), tuple(range(R))]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run = first_replica.reproduce(strategy, overflow_replicas=replicas_hit, fixed=True)
-    print(f"fixed wrapper, overflow on {replicas_hit}: loss scale ÷ S",
-          [s / S for s in run.loss_scales])
-    told = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
-    assert len(told) == 1 and told[0].startswith(  # and it says so, once
-        "AllReplicasFiniteLossScaleOptimizer: 1 step(s) skipped in this fit")
-    assert run.weights_finite and run.loss_scales == (S, S / 2, S / 2, S / 2)
-    assert run.iterations == (1, 1, 2, 3)  # skipped, exactly as the stock one skips replica 0's
-    check_close(run.final_weights, stock_runs[(0,)].final_weights, rtol=0, atol=0)
-
-# %% [markdown]
-# ## 5 · The fix: accumulate *inside* an all-replicas-finite wrapper
-#
-# `distgrad.optimizer.AccumulatingOptimizer` ([lesson 03 §5](03_cond_and_merge_call.ipynb))
-# under `mixed_float16`. Handed to `model.compile` alone, Keras would wrap it in its own
-# `LossScaleOptimizer` — the wrapper of §4, blind to replica 1. `AccumulatingOptimizer`
-# refuses that wrapper at the first step, on every replica count, and names the fix:
-
-# %%
-mb = 4 * R
-x, y = mixed.overflow_data(8, mb, None, R)
-try:
-    mixed.mixed_precision_fit(strategy, x, y, mb, 2, initial_scale=None)  # compile wraps it
-    raise AssertionError("Keras' own wrapper was accepted")
-except ValueError as err:
-    refusal = str(err)
-refusal = re.sub(r"\x1b\[[0-9;]*m", "", refusal)  # Keras' traceback adds terminal bold
-print("ValueError:", textwrap.fill(refusal[refusal.index("AccumulatingOptimizer is inside"):],
-                                   88, subsequent_indent="  "))
-assert "from replica 0 only" in refusal
-assert "AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(" in refusal
-
-# %% [markdown]
-# The fix is the line the error names:
-# `model.compile(optimizer=AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(SGD, 2)))`.
-# Keras adds no wrapper of its own around one that already is a `LossScaleOptimizer`.
-# That order is what makes it right:
-#
-# * **unscale, then accumulate**: the wrapper divides each micro-batch by the scale *it*
-#   was computed with before our `apply` adds it — the scale may change inside a cycle;
-# * **float32 accumulators** (asserted below);
-# * **a micro-batch that overflowed on any replica is skipped before accumulation**: not
-#   added, not counted in `total_micro_steps`, loss scale halved, `iterations`
-#   unchanged; the cycle waits for k good micro-batches;
-# * **real accumulation**: the inner optimizer steps once per cycle, so `iterations`
-#   counts updates.
-
-# %%
-fixed_default = mixed.mixed_precision_fit(strategy, x, y, mb, 2)  # the wrapper given to compile
-print(f"{fixed_default.wrapper}({fixed_default.wrapped})")
-print("accumulators:", ", ".join(fixed_default.accumulator_dtypes))
-assert fixed_default.wrapper == "AllReplicasFiniteLossScaleOptimizer"
-assert fixed_default.wrapped == "AccumulatingOptimizer"
-assert fixed_default.accumulator_dtypes == ("float32",) * 4 and all(fixed_default.weights_finite)
-rows = []
-for name, make in OPTIMIZERS.items():  # SGD(0.1), with momentum, Adam(0.01), AdamW
-    accumulated = mixed.mixed_precision_fit(strategy, x, y, mb, 2, make)
-    big_batch = mixed.mixed_precision_fit(strategy, x, y, 2 * mb, None, make)
-    diff = check_close(accumulated.final_weights, big_batch.final_weights, **MIXED)
-    rows.append((name, f"{diff.max_abs:.1e}", ", ".join(map(str, accumulated.iterations))))
-    check_not_close(accumulated.final_weights, accumulated.initial_weights, **MIXED)  # it trained
-    assert accumulated.iterations == (0, 1, 1, 2, 2, 3, 3, 4)  # updates, not micro-batches
-    assert accumulated.total_micro_steps == tuple(range(1, 9))
-    assert accumulated.accumulator_dtypes == ("float32",) * 4
-show_table(["8 micro-batches, k = 2", "vs 4 big-batch steps", "iterations"], rows)
-
-# %%
-x6, y6 = mixed.overflow_data(6, mb, None, R)
-growing = lambda inner, **kw: keras.mixed_precision.LossScaleOptimizer(
-    inner, **{**kw, "dynamic_growth_steps": 1})  # the scale doubles after every micro-batch
-fixed = mixed.mixed_precision_fit(strategy, x6, y6, mb, 2, lambda: keras.optimizers.SGD(0.2),
-                                  initial_scale=16, dynamic_growth_steps=1)
-patched = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None, initial_scale=16,
-                        wrapper=growing, install=install_question_patch)
-reference = lsp.accumulated_reference(strategy, initial_scale=16)
-print("loss scales", fixed.loss_scales)
-print("AccumulatingOptimizer vs big batch:",
-      f"{check_close(fixed.final_weights, reference, **MIXED).max_abs:.1e}")
-print("the question's patch on the wrapper vs big batch:",
-      f"{check_not_close(patched.final_weights, reference, **MIXED).max_abs:.1e}")
-
-# %% [markdown]
-# With a scale that changes inside every cycle, the question's wrapper patch (scaled sum ÷
-# latest scale) is wrong even without an overflow; unscaling per micro-batch is not.
-#
-# ### Non-finite micro-batches: what the wrapper skips, and what it tells you
-#
-# Sixteen micro-batches, k = 2, the scale starting low and doubling after every 4 good
-# micro-batches, and two outliers: at micro-batch 8 on **every** replica, at micro-batch
-# 12 on **replica 1 only** — the one Keras' own wrapper would not see (§4).
-
-# %%
-def skipped(record):
-    """Micro-batches the wrapper skipped: `total_micro_steps` did not move."""
-    previous = (0,) + record.total_micro_steps[:-1]
-    return [t + 1 for t, (a, b) in enumerate(zip(previous, record.total_micro_steps)) if a == b]
-
-
-ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER, START = 8, 12, 2.0**8
-x16, y16 = mixed.overflow_data(16, mb, ALL_REPLICAS_OUTLIER, R)
-_, y_one = mixed.overflow_data(16, mb, ONE_REPLICA_OUTLIER, R, overflow_replicas=(1,))
-y16 = np.maximum(y16, y_one)  # both outliers (OUTLIER_TARGET is the largest target)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    safe = mixed.mixed_precision_fit(strategy, x16, y16, mb, 2, initial_scale=START,
-                                     dynamic_growth_steps=4)
-fig, (ax_scale, ax_updates) = plt.subplots(1, 2, figsize=(11, 3.6))
-steps = np.arange(1, 17)
-ax_scale.step(steps, np.log2(safe.loss_scales), where="post", color="C1")
-ax_updates.step(steps, safe.iterations, where="post", color="C1", label="updates")
-ax_updates.step(steps, safe.total_micro_steps, where="post", color="C1", linestyle="--",
-                label="micro-batches accumulated")
-for ax in (ax_scale, ax_updates):
-    ax.axvline(ALL_REPLICAS_OUTLIER, color="gray", linestyle=":", label="outlier, all replicas")
-    ax.axvline(ONE_REPLICA_OUTLIER, color="red", linestyle=":", label="outlier, replica 1")
-    ax.set_xlabel("micro-batch")
-ax_scale.set_ylabel("log2(loss scale)")
-ax_updates.set_ylabel("count")
-ax_scale.legend(fontsize=8)
-ax_updates.legend(fontsize=8)
-fig.tight_layout()
-show_table(["skipped micro-batches", "dropped cycles", "updates", "total_micro_steps"], [
-    (skipped(safe), safe.skipped_updates, ", ".join(map(str, safe.iterations)),
-     ", ".join(map(str, safe.total_micro_steps)))])
-skip_warnings = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
-print("UserWarning:", textwrap.fill(skip_warnings[0], 88, subsequent_indent="  "))
-
-# %%
-assert all(safe.weights_finite)
-scales = (START,) + safe.loss_scales
-halved = [t + 1 for t in range(16) if scales[t + 1] == scales[t] / 2]
-assert halved == skipped(safe) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
-assert safe.iterations[-1] == safe.total_micro_steps[-1] // 2  # every cycle applied
-assert safe.skipped_updates == 0  # no cycle dropped
-assert len(skip_warnings) == 1 and "2 micro-batch(es) skipped in this fit" in skip_warnings[0]
-
-# %% [markdown]
-# Read the plot: every halving of the scale is a skipped micro-batch (`total_micro_steps`
-# does not move) and a pause in the updates, and both outliers are skipped — replica 1's
-# too. No cycle is lost: the cycle waits for two good micro-batches. Nothing is silent
-# either: `fit` ends with one warning that says how many micro-batches were skipped.
-
-# %% [markdown]
-# ## 6 · The fix on the question's stack: tf-keras, `mixed_float16`, `model.fit`
+# ### The fix on the question's stack: tf-keras, `mixed_float16`, `model.fit`
 #
 # The question's answer installed the patch *after* the wrapper (`optimizer =
 # LossScaleOptimizer(optimizer)`, then `get_patched_optimizer(optimizer, ...)`). On tf-keras
-# the fix is section 5's: reverse the order and replace the patch by an optimizer,
+# the fix reverses the order and replaces the patch by an optimizer,
 # `distgrad.tf_keras.AccumulatingOptimizer`, so that the loss-scale wrapper is outside.
 # In tf-keras that order is forced twice over, as the installed source and the question's
-# `train_step` (section 3) show: `model.compile` under `mixed_float16` wraps any optimizer
-# that is not a `LossScaleOptimizer` in one, and the question's `train_step` scales its
-# loss only if `model.optimizer` *is* one — an accumulator outside it would silently
-# train float16 gradients without loss scaling.
+# `train_step` show: `model.compile` under `mixed_float16` wraps any optimizer that is not
+# a `LossScaleOptimizer` in one, and the question's `train_step` scales its loss only if
+# `model.optimizer` *is* one: an accumulator outside it would silently train float16
+# gradients without loss scaling.
 
 # %%
 training_source = pathlib.Path(importlib.util.find_spec("tf_keras").submodule_search_locations[0],
@@ -588,16 +701,14 @@ assert "is_mixed_precision = isinstance(" in legacy_file  # the question's train
 assert "loss = self.optimizer.get_scaled_loss(model_loss)" in legacy_file
 
 # %% [markdown]
-# One tf-keras detail: its `LossScaleOptimizer.apply_gradients` all-reduces the gradients
-# *before* it checks them, through the wrapped optimizer's `aggregate_gradients`
-# (section 4 asserted that line). `distgrad.tf_keras.AccumulatingOptimizer` answers that
+# `distgrad.tf_keras.AccumulatingOptimizer` answers the wrapper's `aggregate_gradients`
 # call by keeping the gradients replica-local (the gradient all-reduce comes once per
 # update; `tests/test_tf_keras_mixed_precision.py` counts the all-reduces) and sharing one
-# number instead: whether every replica's gradients are finite. If any is
-# not, every replica hands the wrapper a NaN, so the wrapper skips that micro-batch on
-# every replica and halves the scale once. The program below is the question's set-up in
-# the fixed order, with the question's `train_step`. It is written to a file and run in a
-# child process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts);
+# number instead: whether every replica's gradients are finite. If any is not, every
+# replica hands the wrapper a NaN, so the wrapper skips that micro-batch on every replica
+# and halves the scale once. The program below is the question's set-up in the fixed
+# order, with the question's `train_step`. It is written to a file and run in a child
+# process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts);
 # `distgrad.lab.legacy_fit` supplies the `fit` recipes and reads the counters after every
 # micro-batch.
 
@@ -689,10 +800,10 @@ assert "self._optimizer.iterations.assign_add(1, read_value=False)" in legacy_so
 
 # %% [markdown]
 # Equal to the big batch within the mixed-precision tolerance, on the versions printed
-# above — also after the outlier: its micro-batch was skipped on **both** replicas
+# above, also after the outlier: its micro-batch was skipped on **both** replicas
 # (`total_micro_steps` stands still at micro-batch 3) and the scale halved once. Unlike
-# Keras 3's wrapper (section 4), tf-keras' checks finiteness after an all-reduce — here of
-# the one flag — so the outlier on replica 1 is seen everywhere. Three counters, three
+# Keras 3's wrapper (section 2), tf-keras' checks finiteness after an all-reduce (here of
+# the one flag), so the outlier on replica 1 is seen everywhere. Three counters, three
 # meanings: `total_micro_steps` counts the micro-batches accumulated, the inner SGD's
 # `iterations` its updates (what momentum, Adam and schedules see), and
 # `model.optimizer.iterations` adds the skipped step, as tf-keras' wrapper counts one
@@ -703,47 +814,97 @@ assert "self._optimizer.iterations.assign_add(1, read_value=False)" in legacy_so
 # %% [markdown]
 # ## Takeaways
 #
-# * Patching `apply_gradients` on a `LossScaleOptimizer` accumulates **scaled** gradients
-#   (Keras 3) or unscaled ones (the question's tf-keras train step) — and dies at the first
-#   overflow: the non-finite micro-batch enters the accumulator, `inf * 0` is `nan`, every
-#   later step is skipped. Dynamic loss scaling *expects* overflows, so sooner or later it
-#   happens (here, on one device: on the very first micro-batch).
-# * Patching `inner_optimizer.apply_gradients` is dead code in Keras 3 (the wrapper calls
-#   `inner.apply`), and a `tf.cond` output mismatch in tf-keras (the patch returns `None`).
-#   Returning the result makes it trace and keeps overflows out of the accumulator, but it
-#   is still the mask trick: an inner-optimizer step on every micro-batch.
-# * Compose the other way round, with real accumulation:
-#   `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner, k))`, passed to
-#   `model.compile` yourself. Unscale per micro-batch, accumulate in float32, skip a
-#   micro-batch that overflowed on any replica before accumulation, one update per cycle.
-# * Keras 3's `LossScaleOptimizer` checks finiteness on **replica 0 only**; the comment
-#   assumes all-reduced gradients that Keras 3 no longer has. `AccumulatingOptimizer`
-#   refuses it (the one `compile` adds by itself) at the first step, naming the fix.
-# * On the question's own stack (tf-keras, `mixed_float16`, `model.fit`, its `train_step`):
-#   `LossScaleOptimizer(distgrad.tf_keras.AccumulatingOptimizer(inner, n))` — the order
-#   `model.compile` builds by itself. An overflow on one replica skips that micro-batch on
-#   every replica and halves the scale once; the result equals big-batch training.
+# * Loss scaling outside, real accumulation inside:
+#   `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner, k))`.
+# * Keras 3's `LossScaleOptimizer` reads replica 0's overflow flag only.
+# * A patched `apply_gradients` dies at the first overflow (`inf * 0 = nan`); a patched
+#   `inner_optimizer.apply_gradients` never runs in Keras 3.
 #
 # ## Exercises
 #
-# 1. Move the outlier of §2 to micro-batch 4, an apply step. Predict the accumulator's
-#    states, then check: `lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=4,
-#    install=install_question_patch).accumulator_states`.
-# 2. Start the §2 wrapper patch at a scale high enough to overflow at once and predict
-#    `iterations`: `lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=None,
-#    initial_scale=2.0**20, install=install_question_patch).iterations`.
-# 3. In the trajectory cell put the second outlier on replica 0 instead
-#    (`overflow_replicas=(0,)` in `y_one`). Predict `skipped(safe)` and the warning, then
-#    rerun that cell and the next: does any assertion fail?
-# 4. In §6, move the outlier to replica 0 (`overflow_replicas=(0,)` in `bad_x, bad_y`)
-#    and predict the table; then rerun that cell and the next. Does any assertion fail?
+# ### Exercise 1 · An overflow at the end of a cycle
 #
+# In the deep dive on the question's patches, the outlier sat in micro-batch 3, inside a
+# cycle of n = 2. Move it to micro-batch 4, a cycle's end. What does the patch's
+# accumulator hold after each micro-batch: when is it `inf`, when `nan`?
+
+# %% [markdown]
+# #### Answer
+#
+# Never `inf`: micro-batch 4's call adds the overflow, hands the wrapper
+# `accumulated * 1` (skipped) and resets with `accumulated * 0`, which is `inf * 0 = nan`,
+# all in the same call. From then on it is `nan`, as before.
+
+# %%
+at_cycle_end = lsp.reproduce(strategy, "loss_scale_optimizer", overflow_step=4,
+                             install=install_question_patch)
+print("accumulator after each micro-batch:", ", ".join(at_cycle_end.accumulator_states))
+assert at_cycle_end.accumulator_states == ("finite",) * 3 + ("nan",) * 3
+
+# %% [markdown]
+# ### Exercise 2 · The cycle left open
+#
+# Drop the fix cell's `AccumulationCallback("flush")` (the default: carry the open cycle
+# on). How many updates, what is `micro_steps` at the end, does the check pass?
+
+# %% [markdown]
+# #### Answer
+#
+# Four updates; the ninth micro-batch waits in the accumulators (`micro_steps` is 1) for
+# the next epoch's first. After this one epoch the weights are those of 4 big-batch
+# steps, not 5, so the check fails.
+
+# %%
+with mixed.mixed_precision_policy("mixed_float16"), strategy.scope():
+    carried = keras.models.clone_model(model)
+    carried.set_weights(initial_weights)
+    carried.compile(optimizer=distgrad.AllReplicasFiniteLossScaleOptimizer(
+        distgrad.AccumulatingOptimizer(keras.optimizers.SGD(0.1), accumulation_steps),
+        initial_scale=2.0**10), loss="mse")
+    carried.fit(examples.batch(micro_batch), epochs=1, shuffle=False, verbose=0)  # carry
+accumulating = carried.optimizer.inner_optimizer
+counters = accumulating.iterations.numpy(), accumulating.micro_steps.numpy()
+print("updates: {}, micro_steps: {}".format(*counters))
+assert counters == (4, 1)
+diff = check_not_close(carried.get_weights(), reference.get_weights(), **MIXED)  # check fails
+print(f"vs the big batch: max abs diff {diff.max_abs:.1e}")
+
+# %% [markdown]
+# ### Exercise 3 · The second outlier on replica 0
+#
+# In section 2's trajectory cell, put the second outlier into replica 0's shard (drop
+# `+ mb // R`). Which micro-batches are skipped? Would Keras' own wrapper see it?
+
+# %% [markdown]
+# #### Answer
+#
+# Nothing changes: distgrad's wrapper combines every replica's flag, so it does not
+# matter which replica overflowed (micro-batches 8 and 12 skipped, one warning for 2).
+# Keras' wrapper would see this one: replica 0 is the replica it reads (section 2's
+# table). That is why a test on one device, or with an overflow on replica 0, cannot
+# reveal its hole.
+
+# %%
+_, y_zero = mixed.overflow_data(16, mb, ALL_REPLICAS_OUTLIER, R)
+y_zero[(ONE_REPLICA_OUTLIER - 1) * mb] = mixed.OUTLIER_TARGET  # in replica 0's shard
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    on_zero = mixed.mixed_precision_fit(strategy, x16, y_zero, mb, 2, initial_scale=START,
+                                        dynamic_growth_steps=4)
+told = [str(w.message) for w in caught if "skipped in this fit" in str(w.message)]
+print("skipped micro-batches:", skipped(on_zero))
+assert skipped(on_zero) == [ALL_REPLICAS_OUTLIER, ONE_REPLICA_OUTLIER]
+assert all(on_zero.weights_finite)
+assert len(told) == 1 and "2 micro-batch(es) skipped in this fit" in told[0]
+
+# %% [markdown]
 # ## Further reading
 #
-# * tensorflow/tensorflow#50454 — the question's issue ("assign_add() not working on GPU?").
-# * keras-team/keras#14829 — gradient accumulation with mixed precision in tf.keras.
-# * TensorFlow guide *Mixed precision*; `keras.mixed_precision.LossScaleOptimizer` API docs.
-# * Installed source: `keras/src/optimizers/loss_scale_optimizer.py` (`_tf_apply`,
-#   `_stateful_handle_finite_grads`), `keras/src/backend/tensorflow/trainer.py`
-#   (`train_step`), `tf_keras/src/mixed_precision/loss_scale_optimizer.py`
-#   (`apply_gradients`, `_apply_gradients`).
+# * tensorflow/tensorflow#50454 (the question); keras-team/keras#14829 (accumulation with
+#   mixed precision in tf.keras).
+# * [Upstream: replica 0 only](../upstream.md#loss-scale-first-replica-finite);
+#   pitfalls [loss-scale patch](../pitfalls.md#loss-scale-patch) and
+#   [one replica checked](../pitfalls.md#lso-first-replica-finite).
+# * TensorFlow's *Mixed precision* guide; `keras.mixed_precision.LossScaleOptimizer`.
+# * Installed source: `keras/src/optimizers/loss_scale_optimizer.py` (`_tf_apply`),
+#   `tf_keras/src/mixed_precision/loss_scale_optimizer.py` (`apply_gradients`).

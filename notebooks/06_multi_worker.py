@@ -14,257 +14,210 @@
 # ---
 
 # %% [markdown]
-# # 06 · The same proofs on `MultiWorkerMirroredStrategy`
+# # 06 · Accumulating gradients on several workers
 #
-# When one machine is not enough, `tf.distribute.MultiWorkerMirroredStrategy` (MWMS) runs
-# one process per machine (a *worker*); each reads the cluster it belongs to from the
-# `TF_CONFIG` environment variable, and the gradients are all-reduced across processes
-# with collective ops. Do the proofs of lessons 01–03 still hold? This lesson checks on a
-# **real multi-process run**: two worker processes on this machine, each with its own
-# `TF_CONFIG`, talking over localhost. And does `model.fit` work there (section 6)?
+# **The question** (none of the [four questions](../questions.md) asks it; it is
+# [Q2](../questions.md#q2) on more machines): *my loop accumulates gradients under
+# `MirroredStrategy`. On several machines, with `MultiWorkerMirroredStrategy`, does the
+# same loop still equal one big-batch step, and does `model.fit`?*
 #
-# The worker function is below, written out. Because a worker is a process of its own, it
-# lives in a module the workers can import (`distgrad/lab/workers.py`), and the lesson
-# shows its source. `distgrad.lab.multiworker.run_workers(target, num_workers)` starts the
-# processes (free ports picked at run time), calls `target(task_index, num_workers,
-# **options)` in each, collects their results (one `ChildResult` per worker, in task
-# order), and kills every process it started when it returns or times out.
+# **The short answer.** Yes, with lesson 02's loop. A *worker* is one process, usually one
+# per machine; it reads the cluster and its index from the `TF_CONFIG` environment
+# variable, and creates the strategy before any other TensorFlow work. The micro-steps run
+# in *replica context* (the function `strategy.run` calls once per replica, each device of
+# each worker, on that replica's data): each replica adds its gradients to buffers of its
+# own, with no communication. Once per update, `apply_gradients` sums them over every
+# replica of every worker, one all-reduce across the processes. Stock Keras 3 `model.fit`
+# fails on several workers; `distgrad.MultiWorkerFit` makes it train.
 
 # %%
 import distgrad
 
-# This notebook's own process only starts workers and checks their results; each
-# worker creates its own strategy. The report says where this process runs.
-strategy = distgrad.make_strategy(1)
+strategy = distgrad.make_strategy(1)  # this process only starts the workers and checks them
 
-import json  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
-import textwrap  # noqa: E402
 
-from IPython.display import Code  # noqa: E402
-
-from distgrad.lab.compare import OPTIMIZERS, check_close, weight_diff, weights_of  # noqa: E402
-from distgrad.lab.data import regression_data, tiny_model  # noqa: E402
-from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
-from distgrad.lab.multiworker import (free_ports, run_workers, tf_config, visible_gpus,  # noqa: E402
-                                     worker_devices)
-from distgrad.lab.recipes import big_batch_reference, fit_run  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from distgrad.lab import workers  # noqa: E402
+from distgrad.lab.compare import check_close  # noqa: E402
+from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+from distgrad.lab.multiworker import run_workers  # noqa: E402
 
+tf.get_logger().setLevel("ERROR")  # section 1 creates a second strategy here, on purpose
 show_environment(distgrad.environment_report(strategy))
 WORKERS = 2
 
 # %% [markdown]
-# ## 1 · One worker, written out
+# ## 1 · The fix
 #
-# Every worker runs the same function. It is lesson 01's custom loop with three changes:
+# The program every worker runs: save it as `worker.py` and start it on each machine with
+# the same cluster and its own index (worker 0 is the *chief*):
 #
-# * **The strategy comes first.** `MultiWorkerMirroredStrategy()` reads `TF_CONFIG` and
-#   configures the runtime's collective ops, which TensorFlow allows only before its
-#   runtime has started (checked below). A `CommunicationOptions(timeout_seconds=...)`
-#   bounds every collective (section 5).
-# * **Each worker feeds its own shard.** `distribute_datasets_from_function` calls
-#   `dataset_fn` once per worker with an `InputContext`: which input pipeline this is, how
-#   many there are, and the per-replica batch size. Together the shards are the global
-#   batch that one device would see.
-# * **The replica step is unchanged**: loss divided by the *global* batch,
-#   `apply_gradients` inside `strategy.run`. Its SUM all-reduce now spans every replica
-#   of every worker.
+# ```bash
+# export TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]},
+#                    "task": {"type": "worker", "index": 0}}'   # index 1 on host1
+# python worker.py
+# ```
+#
+# Without `TF_CONFIG` it is a cluster of one worker: so it runs below, in this notebook.
 
-# %%
-show_code(workers.train_on_worker)
+# %% tags=["fix"]
+# worker.py: a worker of a MultiWorkerMirroredStrategy cluster (without TF_CONFIG: a cluster
+# of one), accumulating gradients. It trains on its own devices: all its GPUs, else its CPU
+# as one device (the two logical CPUs of the other lessons are for MirroredStrategy).
+import keras
+import numpy as np
+import tensorflow as tf
+
+tf.config.experimental.enable_tensor_float_32_execution(False)  # exact float32 for the check
+# The program's first TensorFlow work: reads TF_CONFIG, starts this worker's server.
+strategy = tf.distribute.MultiWorkerMirroredStrategy(
+    communication_options=tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=60))  # a dead peer fails the all-reduce instead of hanging it
+
+MICRO, K, EPOCHS = 8, 4, 2  # MICRO: a micro-batch of all workers together; K per update
+rng = np.random.default_rng(0)
+x = rng.normal(size=(80, 4)).astype("float32")  # 10 micro-batches an epoch:
+y = rng.normal(size=(80, 2)).astype("float32")  # 2 updates of K = 4, and 2 left over
+options = tf.data.Options()  # DATA: each worker takes its part of every micro-batch
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+dataset = (tf.data.Dataset.from_tensor_slices((x, y)).with_options(options)
+           .batch(MICRO, drop_remainder=True))  # a partial last micro-batch is dropped
+dist_dataset = strategy.experimental_distribute_dataset(dataset)
+
+def make_model():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(2)])
+
+keras.utils.set_random_seed(0)
+with strategy.scope():  # mirrored variables: one copy per replica of every worker
+    model, optimizer = make_model(), keras.optimizers.Adam(0.01)
+    optimizer.build(model.trainable_variables)
+    buffers = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,  # replica-local sums
+                           synchronization=tf.VariableSynchronization.ON_READ,
+                           aggregation=tf.VariableAggregation.SUM)
+               for v in model.trainable_variables]
+
+@tf.function
+def accumulate(batch):  # replica context: each replica adds to its own buffers, no messages
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(keras.losses.mean_squared_error(y, model(x, training=True)))
+        for buffer, gradient in zip(buffers, tape.gradient(loss, model.trainable_variables)):
+            buffer.assign_add(gradient)  # the gradient of a sum: apply() divides
+    strategy.run(step, args=batch)
+
+@tf.function
+def apply(examples):  # the update's one sync: apply_gradients' SUM over all workers' replicas
+    def step():
+        mean = [buffer.read_value() / examples for buffer in buffers]
+        optimizer.apply_gradients(zip(mean, model.trainable_variables))
+        for buffer in buffers:
+            buffer.assign(tf.zeros_like(buffer))
+    strategy.run(step)
+
+for epoch in range(EPOCHS):
+    for step, batch in enumerate(dist_dataset, start=1):
+        accumulate(batch)
+        if step % K == 0:
+            apply(tf.constant(K * MICRO, tf.float32))
+    if step % K:  # the epoch's leftover micro-batches (here 2): one smaller update,
+        apply(tf.constant(step % K * MICRO, tf.float32))  # the mean of their examples
+
+# %% tags=["check"]
+# One device, no strategy: fit takes one big-batch step per update (K * MICRO examples; the
+# leftover micro-batches are its smaller last batch). The same seed: the same initial weights.
+keras.utils.set_random_seed(0)
+one_device = make_model()
+one_device.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+one_device.fit(x, y, batch_size=K * MICRO, epochs=EPOCHS, shuffle=False, verbose=0)
+for got, want in zip(model.get_weights(), one_device.get_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+print(f"{int(optimizer.iterations.numpy())} updates on {strategy.num_replicas_in_sync} replica(s):"
+      " equal to one device, big batches")
 
 # %% [markdown]
-# The order matters: a worker that runs one eager op before creating the strategy gets
-
-# %%
-(late,) = run_workers("distgrad.lab.workers:strategy_after_runtime_start", 1, timeout=120)
-print(late.value["error"])
-assert late.value["error"] == {"type": "RuntimeError",
-                               "message": "Collective ops must be configured at program startup"}
-
-# %% [markdown]
-# ### Its `TF_CONFIG`
+# ### The same file on two workers
 #
-# `TF_CONFIG` is JSON: the `cluster` (every worker's address, the same list for all) and
-# this process' `task` (its type and index; worker 0 is the *chief*). For two workers on
-# this machine, on two free ports:
+# The fix cell, exactly as it ran, written to a file and started on two worker processes
+# of this machine: `run_workers` gives each its `TF_CONFIG` (two free ports on localhost),
+# runs the file in each (`distgrad.lab.workers.run_script`, below) and returns the weights.
 
 # %%
-ports = free_ports(WORKERS)
-configs = [{"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
-            "task": {"type": "worker", "index": index}} for index in range(WORKERS)]
-# What run_workers puts into each worker's environment:
-assert [json.loads(tf_config(ports, index)) for index in range(WORKERS)] == configs
-Code("\n".join(f"# worker {index}\n"
-               f"TF_CONFIG='{{\"cluster\": {json.dumps(config['cluster'])},\n"
-               f"           \"task\": {json.dumps(config['task'])}}}'"
-               for index, config in enumerate(configs)), language="bash")
+# The run above had no TF_CONFIG: a cluster of one worker, this process.
+assert "TF_CONFIG" not in os.environ and not strategy.cluster_resolver.cluster_spec().as_dict()
+path = os.path.join(tempfile.mkdtemp(prefix="distgrad-worker-"), "worker.py")
+with open(path, "w") as file:  # the fix cell as it ran: IPython keeps each cell run in `In`
+    file.write(next(cell for cell in reversed(In) if cell.startswith("# worker.py")))
+runs = run_workers("distgrad.lab.workers:run_script", WORKERS, timeout=240, path=path)
+assert all(r.ok for r in runs), [r.stderr_tail for r in runs]
+diffs = [check_close(r.value["weights"], one_device.get_weights()).max_abs for r in runs]
+show_table(["worker", "task", "replicas", "updates", "max abs diff vs 1 device"],
+           [(i, "/".join(map(str, r.value["task"])), r.value["replicas"], r.value["updates"],
+             f"{d:.1e}") for i, (r, d) in enumerate(zip(runs, diffs))])
+for index, r in enumerate(runs):
+    assert r.value["task"] == ["worker", index] and r.value["updates"] == 6
+    assert r.value["replicas"] == WORKERS * len(r.value["local_devices"])
+
+# %%
+show_code(workers.run_script)
 
 # %% [markdown]
-# `run_workers` sets this variable in each worker's environment, and the worker's
-# `CUDA_VISIBLE_DEVICES`: the workers share one machine, and no two may share a GPU, so
-# with a GPU per worker each sees its own, and otherwise each sees the CPU only
-# (`worker_devices`). The worker function does not depend on it: `dataset_fn` batches per
-# replica, whatever number of replicas a worker has. (On GPUs it turns TF32 off, as
-# `make_strategy` does, so that float32 stays comparable at 1e-6.)
+# ## 2 · Why it works
 #
 # ```mermaid
 # flowchart LR
-#     nb["this notebook<br/>run_workers(train_on_worker, 2)"]
-#     subgraph w0["worker 0 · process · the chief"]
-#         c0["TF_CONFIG<br/>cluster: 127.0.0.1:p0, 127.0.0.1:p1<br/>task: worker 0"]
-#         s0["shard 0 of the global batch<br/>tape · gradients / global batch"]
-#     end
-#     subgraph w1["worker 1 · process"]
-#         c1["TF_CONFIG<br/>same cluster<br/>task: worker 1"]
-#         s1["shard 1 of the global batch<br/>tape · gradients / global batch"]
-#     end
-#     nb -- "starts, with TF_CONFIG" --> w0
-#     nb -- "starts, with TF_CONFIG" --> w1
-#     s0 <-- "apply_gradients: CollectiveReduceV2 SUM over gRPC" --> s1
-#     w0 -. "result JSON" .-> nb
-#     w1 -. "result JSON" .-> nb
+#     w0["worker 0, the chief<br/>its part of each micro-batch<br/>gradients += its own buffers"]
+#     w1["worker 1<br/>its part of each micro-batch<br/>gradients += its own buffers"]
+#     w0 <-- "once per update: apply_gradients<br/>CollectiveReduceV2 SUM over gRPC" --> w1
 # ```
 #
-# ## 2 · Run it: two workers equal one device
-#
-# Three Adam steps on two workers; each worker returns the `TF_CONFIG` it read, what the
-# strategy made of it, the collective ops in its traced step, and its weights, which this
-# process compares with one device training on the whole batch.
-
-# %%
-results = run_workers("distgrad.lab.workers:train_on_worker", WORKERS, timeout=240,
-                      optimizer="adam", steps=3)
-for r in results:
-    assert r.ok, r.stderr_tail
-x, y = regression_data(workers.GLOBAL_BATCH)
-reference = big_batch_reference(OPTIMIZERS["adam"], x, y, steps=3)
-diffs = [check_close(r.value["weights"], reference) for r in results]
-show_table(["worker", "task (strategy)", "replicas", "local devices", "collectives per step",
-            "updates", "max abs diff vs 1 device", "seconds"],
-           [(index, "/".join(map(str, r.value["task"])), r.value["replicas"],
-             ", ".join(d.rsplit("/", 1)[-1] for d in r.value["local_devices"]),
-             r.value["collective_op_types"], r.value["iterations"], f"{diff.max_abs:.1e}",
-             f"{r.seconds:.1f}")
-            for index, (r, diff) in enumerate(zip(results, diffs))])
-for index, r in enumerate(results):
-    v = r.value
-    assert v["tf_config"]["task"] == {"type": "worker", "index": index}
-    assert v["tf_config"]["cluster"] == results[0].value["tf_config"]["cluster"]
-    assert len(v["tf_config"]["cluster"]["worker"]) == WORKERS
-    assert v["task"] == ["worker", index]  # the strategy's view of TF_CONFIG
-    assert v["replicas"] == WORKERS * len(v["local_devices"])
-    own_gpus = worker_devices(index, WORKERS, visible_gpus())["CUDA_VISIBLE_DEVICES"]
-    assert all(f"device:{'GPU' if own_gpus else 'CPU'}:" in d for d in v["local_devices"])
-    assert v["collective_op_types"] == {"CollectiveReduceV2": 1}  # one all-reduce per step
-    assert v["iterations"] == 3
-
-# %% [markdown]
-# The sync point is the one of lesson 01, the optimizer's SUM all-reduce, here a
-# `CollectiveReduceV2` that crosses process boundaries. The weights agree with one device
-# to float32 precision on both workers.
-#
-# MWMS shares its `merge_call` machinery with `MirroredStrategy`, and on these workers it
-# reports no "no-merge-call" support (`strategy_supports_no_merge_call()`), so a sync
-# point inside a replica-context `tf.cond` fails here exactly as
-# [lesson 03](03_cond_and_merge_call.ipynb) shows for both strategies:
-
-# %%
-assert all(r.value["supports_no_merge_call"] is False for r in results)
-
-# %% [markdown]
-# ## 3 · Accumulation on two workers
-#
-# Lessons 02 and 03 on MWMS: k = 2 micro-batches per update, each worker feeding its
-# slice of each micro-batch. `GradientAccumulator` accumulates with no communication and
-# all-reduces once in its apply function; `AccumulatingOptimizer`'s only all-reduce sits
-# inside its update branch (traced once, run once per k micro-steps). After 2 updates of
-# Adam both equal one device on the big batches.
+# * **The strategy comes first**: it configures the collective ops, which TensorFlow allows
+#   only before its runtime starts ([deep dive](#deep-dive-tf_config-and-a-strategy-created-too-late)).
+# * **Each worker feeds its part** (sharded by `DATA`) of each micro-batch.
+# * **The buffers are replica-local** (`ON_READ`), and hold gradients of *sums*: divided
+#   by the update's examples, their sum over replicas and micro-steps is the big batch's
+#   mean gradient, also for the smaller last update.
+# * **One sync per update**, in `apply_gradients`. So it is for distgrad's two accumulators
+#   on two workers, counted in their traced functions (`AccumulatingOptimizer`'s all-reduce
+#   sits in the branch of its micro-step that updates, run once every k):
 
 # %%
 rows = []
-for recipe in ("accumulator", "optimizer"):
+for recipe in ("GradientAccumulator", "AccumulatingOptimizer"):
     runs = run_workers("distgrad.lab.workers:accumulated_equivalence", WORKERS, timeout=240,
-                       recipe=recipe, optimizer="adam", accumulation_steps=2, updates=2)
+                       recipe="accumulator" if recipe == "GradientAccumulator" else "optimizer",
+                       optimizer="adam", accumulation_steps=2, updates=2)
     for index, r in enumerate(runs):
         assert r.ok, r.stderr_tail
         v = r.value
-        rows.append((recipe, index, v["iterations"], v["all_reduce_ops_per_micro_step_function"],
-                     v["all_reduce_ops_per_apply_function"], f"{v['max_abs_diff_vs_one_device']:.1e}"))
+        counts = (v["all_reduce_ops_per_micro_step_function"],
+                  v["all_reduce_ops_per_apply_function"])
+        rows.append((recipe, index, v["iterations"], *counts,
+                     f"{v['max_abs_diff_vs_one_device']:.1e}"))
         assert v["iterations"] == 2 and v["max_abs_diff_vs_one_device"] <= 1e-6
-        if recipe == "accumulator":
-            assert v["all_reduce_ops_per_micro_step_function"] == 0
-            assert v["all_reduce_ops_per_apply_function"] == 1
-        else:
-            assert v["all_reduce_ops_per_micro_step_function"] == 1
-show_table(["recipe", "worker", "updates", "all-reduces: micro-step function",
+        assert counts == ((0, 1) if recipe == "GradientAccumulator" else (1, 0))
+show_table(["class", "worker", "updates", "all-reduces: micro-step function",
             "apply function", "max abs diff vs 1 device"], rows)
 
 # %% [markdown]
-# ## 4 · Checkpoints come from the chief
+# ## 3 · The packaged form
 #
-# Saving is collective (every worker must call it), but only the chief (task 0) should
-# write to the real checkpoint directory; the others write to throwaway directories.
-# This notebook's process then restores the chief's checkpoint into a fresh model on one
-# device: it holds exactly the one-device weights.
-
-# %%
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-checkpoint_dir = tempfile.mkdtemp(prefix="distgrad-chief-")
-chief, other = run_workers("distgrad.lab.workers:checkpoint_from_chief", WORKERS, timeout=240,
-                           directory=checkpoint_dir, steps=2)
-assert chief.ok and other.ok and chief.value["is_chief"] and other.value["path"] is None
-assert chief.value["path"].startswith(os.path.join(checkpoint_dir, "ckpt"))
-assert any(name.startswith("ckpt") for name in os.listdir(checkpoint_dir))
-restored, restored_optimizer = tiny_model(), keras.optimizers.SGD(0.1)
-restored_optimizer.build(restored.trainable_variables)
-tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(
-    chief.value["path"]).assert_consumed()
-restored_diff = check_close(weights_of(restored), big_batch_reference(
-    lambda: keras.optimizers.SGD(0.1), x, y, steps=2))
-print(f"chief's checkpoint, restored on one device: updates "
-      f"{int(restored_optimizer.iterations.numpy())}, max abs diff vs 1 device "
-      f"{restored_diff.max_abs:.1e}")
-assert int(restored_optimizer.iterations.numpy()) == 2
+# `distgrad.GradientAccumulator` is the loop above (lesson 02); with `model.fit`,
+# `distgrad.AccumulatingOptimizer` (lesson 03) or `distgrad.MicroBatching` (lesson 05).
+# Stock Keras 3 `fit` fails on several workers before its first step
+# ([keras-team/keras#20585](https://github.com/keras-team/keras/issues/20585), deep dive
+# below): use a `distgrad.MultiWorkerFit` model (`MultiWorkerFitModel` if functional) on a
+# dataset of global batches (`drop_remainder=True`) sharded by `DATA`.
 
 # %% [markdown]
-# ## 5 · When a worker dies
+# ### Deep dive · The `fit` worker, written out
 #
-# Worker 1 crashes (`os._exit`) after its first step. Worker 0's next all-reduce has no
-# peer. Without a bound it could wait forever; `make_worker_strategy(timeout_seconds=...)`
-# passes `tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)`, as the
-# worker function above does, so the collective fails within that time (the lost
-# connection may be noticed even sooner).
-
-# %%
-survivor, dead = run_workers("distgrad.lab.workers:dead_worker", WORKERS, timeout=120,
-                             collective_timeout=10.0)
-reason = [line.strip() for line in survivor.value["error"]["message"].splitlines()
-          if line.strip() and not line.strip().startswith(("File", '"'))]  # not the traceback
-print("dead worker exit code:", dead.returncode)
-print(f"survivor: {survivor.value['error']['type']} after {survivor.value['seconds']:.2f} s")
-print("\n".join(textwrap.shorten(line, 96) for line in reason[:2]))
-assert dead.returncode == 3 and not dead.reported and dead.value is None
-assert survivor.value["error"]["type"] in {"UnavailableError", "DeadlineExceededError"}
-assert survivor.value["seconds"] < 15.0  # bounded: a clear error, never a hang
-
-# %% [markdown]
-# ## 6 · `model.fit` on several workers
-#
-# Most Keras users train with `model.fit`, and so does TensorFlow's tutorial
-# *Multi-worker training with Keras*: a MWMS created from `TF_CONFIG`, the model built and
-# compiled under its scope, a `tf.data.Dataset` of global batches that TensorFlow
-# *auto-shards* (each worker gets its part of every batch: `AutoShardPolicy.DATA`), then
-# `fit`. Here is that worker, for stock Keras 3 and for distgrad's fix, with
-# chief-only checkpoints. It is written into a module by this very cell (`%%writefile`,
-# into a temporary directory): a worker is a process, which imports it from there
-# (`run_workers(..., env={"PYTHONPATH": ...})`); this notebook imports it too, to check
-# the target before starting the workers. Its `TF_CONFIG` is section 1's: `run_workers`
-# sets it.
+# A worker is a process, which imports its program: this cell writes it into a module in a
+# temporary directory (`%%writefile`), and `run_workers(..., env={"PYTHONPATH": ...})`
+# starts two workers on it. One run trains four models in turn: stock Keras 3 first, then
+# three with distgrad's fix.
 
 # %%
 import sys  # noqa: E402
@@ -346,10 +299,6 @@ def fit_on_worker(task_index, num_workers, variants, checkpoint_dir):
                             "checkpoint": path if task_index == 0 else None}
     return results
 
-# %% [markdown]
-# One run of the two workers trains four models in turn: stock Keras 3 first, then three
-# with distgrad's fix (below).
-
 # %%
 variants = ["keras.Model", "MultiWorkerFitModel", "MultiWorkerFitModel + AccumulatingOptimizer",
             "MultiWorkerFit + MicroBatching"]
@@ -361,9 +310,57 @@ for index, r in enumerate(results):
     assert r.value["task"] == ["worker", index]  # each read its own TF_CONFIG
 
 # %% [markdown]
-# ### Stock Keras 3 fails before the first step
+# Each of the three fixed models against Keras' own `fit` on one device, batches of 16:
+
+# %%
+import fit_worker  # noqa: E402  (the module written above)
+import keras  # noqa: E402
+
+from distgrad.lab.data import regression_data, tiny_model  # noqa: E402
+from distgrad.lab.recipes import fit_run  # noqa: E402
+
+x_fit, y_fit = regression_data(2 * fit_worker.GLOBAL_BATCH)
+fit_reference = fit_run(None, lambda: keras.optimizers.Adam(0.01), x_fit, y_fit,
+                        batch_size=fit_worker.GLOBAL_BATCH)
+fixed, fit_rows = variants[1:], []
+for variant in fixed:
+    runs = [r.value[variant] for r in results]
+    for index, run in enumerate(runs):
+        diff = check_close(run["weights"], fit_reference.final)
+        fit_rows.append((variant, index, run["updates"], f"{diff.max_abs:.1e}"))
+        assert run["updates"] == fit_reference.updates == 2
+    assert runs[0]["weights"] == runs[1]["weights"] and runs[0]["loss"] == runs[1]["loss"]
+
+# %% [markdown]
+# ### Two workers with `MultiWorkerFit` equal one device
 #
-# Both workers, plain `keras.Model` and `Adam`:
+# Plain, with `AccumulatingOptimizer` (2 steps of 8 per update) and with `MicroBatching`
+# (2 micro-batches in each step of 16), against Keras' `fit` on one device (the deep dive
+# above compares them):
+
+# %%
+show_table(["model", "worker", "updates", "max abs diff vs 1 device"], fit_rows)
+
+# %% [markdown]
+# <div class="admonition warning">
+# <p class="admonition-title">Limits</p>
+#
+# * **BatchNorm statistics**: each replica normalizes by its own slice ([lesson 07](07_beyond_the_basics.ipynb#deep-dive-batchnorm-statistics-are-per-forward-pass)).
+# * **Dropout's randomness**: other micro-batches draw other masks
+#   ([lesson 07](07_beyond_the_basics.ipynb#deep-dive-dropout-draws-other-masks-for-other-micro-batches)).
+# * **A partial last batch**: the fix drops it; `MultiWorkerFit` refuses a dataset without
+#   `drop_remainder=True` (exercise 3; [pitfalls](../pitfalls.md#last-batch-scaling)).
+# * **`steps_per_execution > 1`** in `compile` fails under a multi-replica strategy
+#   ([upstream](../upstream.md#steps-per-execution)), and so does **XLA** (`jit_compile`
+#   set to `True`) on replicas that are not all GPUs
+#   ([keras-team/keras#19005](https://github.com/keras-team/keras/issues/19005)).
+#
+# </div>
+
+# %% [markdown]
+# ## Deep dive · Stock Keras 3 `fit` fails before the first step
+#
+# The first model of section 3's run, plain `keras.Model` and `Adam`, on both workers:
 
 # %%
 for r in results:
@@ -412,11 +409,14 @@ assert names[first - 1] == "fit" and "_reduce_to" in names[first:last]
 
 # %%
 import inspect  # noqa: E402
+import textwrap  # noqa: E402
 
+from IPython.display import Code  # noqa: E402
 from keras.src.backend.tensorflow import trainer as keras_trainer  # noqa: E402
 
 build_source = inspect.getsource(keras_trainer.TensorFlowTrainer._maybe_symbolic_build)
-assert 'data_batch = self.distribute_strategy.reduce(\n                        "MEAN",' in build_source
+reduce_mean = 'data_batch = self.distribute_strategy.reduce(\n                        "MEAN",'
+assert reduce_mean in build_source
 reduce_source = inspect.getsource(keras_trainer.reduce_per_replica)
 start = reduce_source.rindex("\n", 0, reduce_source.index("if _collective_all_reduce_multi"))
 branch = textwrap.dedent("\n".join(reduce_source[start + 1:].splitlines()[:7]))
@@ -448,12 +448,11 @@ assert float(default_strategy.reduce("MEAN", tf.constant([2.5]), axis=0)) == 2.5
 # <div class="admonition success">
 # <p class="admonition-title">Fix</p>
 #
-# `distgrad.MultiWorkerFit`, a mixin for `keras.Model` (`MultiWorkerFitModel` for
-# functional models), in `distgrad/multi_worker.py`, a file that imports only TensorFlow
-# and Keras. Its two repairs, as they are in that file: build from this worker's first
-# per-replica batch (shapes are all the build needs: no communication), and give every
-# value a step returns a leading axis of length 1, so Keras' `axis=0` reduce is the mean
-# over all replicas.
+# `distgrad.MultiWorkerFit`, in `distgrad/multi_worker.py`, a file that imports only
+# TensorFlow and Keras. Its two repairs, as they are in that file: build from this
+# worker's first per-replica batch (shapes are all the build needs: no communication),
+# and give every value a step returns a leading axis of length 1, so Keras' `axis=0`
+# reduce is the mean over all replicas.
 #
 # </div>
 
@@ -464,9 +463,241 @@ show_code(distgrad.MultiWorkerFit._maybe_symbolic_build)
 show_code(distgrad.MultiWorkerFit._reducible)
 
 # %% [markdown]
-# On several workers, its `fit` first checks its input with
-# `distgrad.check_multi_worker_input`, and refuses what would reach the replicas in
-# unequal parts, naming the fix:
+# ## Deep dive · `TF_CONFIG`, and a strategy created too late
+#
+# `TF_CONFIG` is JSON: the `cluster` (every worker's address, the same list for all) and
+# this process' `task` (its type and index). For two workers on this machine, on two free
+# ports:
+
+# %%
+import json  # noqa: E402
+
+from distgrad.lab.multiworker import (free_ports, tf_config, visible_gpus,  # noqa: E402
+                                     worker_devices)
+
+ports = free_ports(WORKERS)
+configs = [{"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+            "task": {"type": "worker", "index": index}} for index in range(WORKERS)]
+# What run_workers puts into each worker's environment:
+assert [json.loads(tf_config(ports, index)) for index in range(WORKERS)] == configs
+Code("\n".join(f"# worker {index}\n"
+               f"TF_CONFIG='{{\"cluster\": {json.dumps(config['cluster'])},\n"
+               f"           \"task\": {json.dumps(config['task'])}}}'"
+               for index, config in enumerate(configs)), language="bash")
+
+# %% [markdown]
+# `run_workers` sets this variable in each worker's environment, and the worker's
+# `CUDA_VISIBLE_DEVICES`: the workers share one machine, and no two may share a GPU, so
+# with a GPU per worker each sees its own, and otherwise each sees the CPU only
+# (`worker_devices`). A worker that runs one eager op before creating the strategy gets:
+
+# %%
+(late,) = run_workers("distgrad.lab.workers:strategy_after_runtime_start", 1, timeout=120)
+print(late.value["error"])
+assert late.value["error"] == {"type": "RuntimeError",
+                               "message": "Collective ops must be configured at program startup"}
+
+# %% [markdown]
+# Without `TF_CONFIG` the strategy has no cluster to configure, and TensorFlow only logs a
+# warning when the runtime has started (`_initialize_local` in
+# `tensorflow/python/distribute/collective_all_reduce_strategy.py`): that is why section 1
+# could run the fix in this notebook's process.
+#
+# `distgrad.lab.workers.train_on_worker`, the replica step of lesson 01 with no
+# accumulation, reports what each worker read and traced: its `TF_CONFIG`, the strategy's
+# view of it, the collective ops of one step. Its input comes from
+# `distribute_datasets_from_function`, which calls `dataset_fn` once per worker with an
+# `InputContext` (which input pipeline this is, how many there are, the per-replica batch
+# size): the other way to give each worker its shard. Three Adam steps:
+
+# %%
+from distgrad.lab.compare import OPTIMIZERS  # noqa: E402
+from distgrad.lab.recipes import big_batch_reference  # noqa: E402
+
+show_code(workers.train_on_worker)
+
+# %%
+results_tow = run_workers("distgrad.lab.workers:train_on_worker", WORKERS, timeout=240,
+                          optimizer="adam", steps=3)
+for r in results_tow:
+    assert r.ok, r.stderr_tail
+x16, y16 = regression_data(workers.GLOBAL_BATCH)
+reference = big_batch_reference(OPTIMIZERS["adam"], x16, y16, steps=3)
+diffs = [check_close(r.value["weights"], reference) for r in results_tow]
+show_table(["worker", "task (strategy)", "replicas", "local devices", "collectives per step",
+            "updates", "max abs diff vs 1 device", "seconds"],
+           [(index, "/".join(map(str, r.value["task"])), r.value["replicas"],
+             ", ".join(d.rsplit("/", 1)[-1] for d in r.value["local_devices"]),
+             r.value["collective_op_types"], r.value["iterations"], f"{diff.max_abs:.1e}",
+             f"{r.seconds:.1f}")
+            for index, (r, diff) in enumerate(zip(results_tow, diffs))])
+for index, r in enumerate(results_tow):
+    v = r.value
+    assert v["tf_config"]["task"] == {"type": "worker", "index": index}
+    assert v["tf_config"]["cluster"] == results_tow[0].value["tf_config"]["cluster"]
+    assert len(v["tf_config"]["cluster"]["worker"]) == WORKERS
+    assert v["task"] == ["worker", index]  # the strategy's view of TF_CONFIG
+    assert v["replicas"] == WORKERS * len(v["local_devices"])
+    own_gpus = worker_devices(index, WORKERS, visible_gpus())["CUDA_VISIBLE_DEVICES"]
+    assert all(f"device:{'GPU' if own_gpus else 'CPU'}:" in d for d in v["local_devices"])
+    assert v["collective_op_types"] == {"CollectiveReduceV2": 1}  # one all-reduce per step
+    assert v["iterations"] == 3
+
+# %% [markdown]
+# The sync point is the one of lesson 01, the optimizer's SUM all-reduce, here a
+# `CollectiveReduceV2` that crosses process boundaries. MWMS shares its `merge_call`
+# machinery with `MirroredStrategy`, and on these workers it reports no "no-merge-call"
+# support (`strategy_supports_no_merge_call()`), so a sync point inside a replica-context
+# `tf.cond` fails here exactly as [lesson 03](03_cond_and_merge_call.ipynb) shows for both
+# strategies:
+
+# %%
+assert all(r.value["supports_no_merge_call"] is False for r in results_tow)
+
+# %% [markdown]
+# ## Deep dive · Checkpoints come from the chief
+#
+# Saving is collective (every worker must call it), but only the chief (task 0) should
+# write to the real checkpoint directory; the others write to throwaway directories.
+# This notebook's process then restores the chief's checkpoint into a fresh model on one
+# device: it holds exactly the one-device weights.
+
+# %%
+chief_dir = tempfile.mkdtemp(prefix="distgrad-chief-")
+chief, other = run_workers("distgrad.lab.workers:checkpoint_from_chief", WORKERS, timeout=240,
+                           directory=chief_dir, steps=2)
+assert chief.ok and other.ok and chief.value["is_chief"] and other.value["path"] is None
+assert chief.value["path"].startswith(os.path.join(chief_dir, "ckpt"))
+assert any(name.startswith("ckpt") for name in os.listdir(chief_dir))
+restored, restored_optimizer = tiny_model(), keras.optimizers.SGD(0.1)
+restored_optimizer.build(restored.trainable_variables)
+tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(
+    chief.value["path"]).assert_consumed()
+from distgrad.lab.compare import weights_of  # noqa: E402
+
+restored_diff = check_close(weights_of(restored), big_batch_reference(
+    lambda: keras.optimizers.SGD(0.1), x16, y16, steps=2))
+print(f"chief's checkpoint, restored on one device: updates "
+      f"{int(restored_optimizer.iterations.numpy())}, max abs diff vs 1 device "
+      f"{restored_diff.max_abs:.1e}")
+assert int(restored_optimizer.iterations.numpy()) == 2
+
+# %% [markdown]
+# `fit` saves the same way: in section 3's run every worker ran the same
+# `ModelCheckpoint`, but only the chief's path is `checkpoint_dir`; restored on one device,
+# the chief's file holds the one-device weights:
+
+# %%
+chief_file = results[0].value["MultiWorkerFitModel"]["checkpoint"]
+assert all(r.value[v]["checkpoint"] is None for r in results[1:] for v in fixed)
+assert sorted(os.listdir(checkpoint_dir)) == [f"model{i}.weights.h5" for i in (1, 2, 3)]
+restored = tiny_model()
+restored.load_weights(chief_file)
+restored_diff = check_close(weights_of(restored), fit_reference.final)
+print(f"chief's {os.path.basename(chief_file)}, restored on one device: max abs diff vs "
+      f"1 device {restored_diff.max_abs:.1e}")
+
+# %% [markdown]
+# ## Deep dive · When a worker dies
+#
+# Worker 1 crashes (`os._exit`) after its first step. Worker 0's next all-reduce has no
+# peer. Without a bound it could wait forever; `make_worker_strategy(timeout_seconds=...)`
+# passes `tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)`, as the fix
+# does, so the collective fails within that time (the lost connection may be noticed even
+# sooner).
+
+# %%
+survivor, dead = run_workers("distgrad.lab.workers:dead_worker", WORKERS, timeout=120,
+                             collective_timeout=10.0)
+reason = [line.strip() for line in survivor.value["error"]["message"].splitlines()
+          if line.strip() and not line.strip().startswith(("File", '"'))
+          and '.py", line ' not in line]  # the reason, not the traceback
+print("dead worker exit code:", dead.returncode)
+print(f"survivor: {survivor.value['error']['type']} after {survivor.value['seconds']:.2f} s")
+print("\n".join(textwrap.shorten(line, 96) for line in reason[:2]))
+assert dead.returncode == 3 and not dead.reported and dead.value is None
+assert survivor.value["error"]["type"] in {"UnavailableError", "DeadlineExceededError"}
+assert survivor.value["seconds"] < 15.0  # bounded: a clear error, never a hang
+
+# %% [markdown]
+# ## Takeaways
+#
+# * A worker's first TensorFlow work is `MultiWorkerMirroredStrategy()`, which reads
+#   `TF_CONFIG`; without it, the program is a cluster of one.
+# * Lesson 02's loop carries over: replica-local buffers, one all-reduce per update across
+#   all workers; leftover micro-batches make one smaller update.
+# * `model.fit` on several workers needs `distgrad.MultiWorkerFit`.
+# * Only the chief writes the real checkpoint; a collective timeout turns a dead worker
+#   into an error.
+
+# %% [markdown]
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 1 · Forget the leftover
+#
+# Delete the last two lines of the fix, the update of the leftover micro-batches. How many
+# updates does a worker make now, and does it still equal one device's `fit`? Predict, then
+# run it as a cluster of one worker.
+
+# %% [markdown]
+# #### Answer
+#
+# Four updates instead of six (two per epoch), and the weights are no longer `fit`'s, which
+# also steps on each epoch's last 16 examples.
+
+# %%
+with open(path) as file:
+    lines = file.read().splitlines(keepends=True)
+assert lines[-2].startswith("    if step % K:  # the epoch's leftover micro-batches")
+no_leftover = os.path.join(os.path.dirname(path), "no_leftover.py")
+with open(no_leftover, "w") as file:
+    file.write("".join(lines[:-2]))  # without the last two lines
+(alone,) = run_workers("distgrad.lab.workers:run_script", 1, timeout=240, path=no_leftover)
+assert alone.ok, alone.stderr_tail
+from distgrad.lab.compare import check_not_close  # noqa: E402
+
+missed = check_not_close(alone.value["weights"], one_device.get_weights())
+print(f"updates: {alone.value['updates']}; max abs diff vs one device's fit {missed.max_abs:.1e}")
+assert alone.value["updates"] == 4
+
+# %% [markdown]
+# ### Exercise 2 · Three workers
+#
+# Start the fix on three workers: `run_workers("distgrad.lab.workers:run_script", 3,
+# path=path)`. A micro-batch of 8 examples does not split evenly over three replicas. Does
+# every worker still equal one device?
+
+# %% [markdown]
+# #### Answer
+#
+# Yes. Nothing in the fix assumes equal parts: each replica sums its per-example losses,
+# whatever their number, and `apply` divides the sum of all of them by the update's
+# examples.
+
+# %%
+three = run_workers("distgrad.lab.workers:run_script", 3, timeout=240, path=path)
+for r in three:
+    assert r.ok, r.stderr_tail
+    assert r.value["replicas"] == 3 * len(r.value["local_devices"])
+    print(r.value["task"], f"max abs diff vs one device "
+          f"{check_close(r.value['weights'], one_device.get_weights()).max_abs:.1e}")
+
+# %% [markdown]
+# ### Exercise 3 · Auto-sharding off
+#
+# In the `fit` worker, give `dataset` the option `AutoShardPolicy.OFF` instead of `DATA`.
+# What does `MultiWorkerFit` say, and why would both workers otherwise train on the same
+# examples?
+
+# %% [markdown]
+# #### Answer
+#
+# On several workers `MultiWorkerFit.fit` first checks its input with
+# `distgrad.check_multi_worker_input` and refuses what would reach the replicas in unequal
+# or duplicated parts, naming the fix. With sharding `OFF` TensorFlow does not split the
+# dataset between the workers: every worker reads the same examples. It refuses NumPy
+# arrays and batches without `drop_remainder=True` too:
 
 # %%
 def global_batches(policy="DATA", drop_remainder=True):
@@ -491,95 +722,36 @@ distgrad.check_multi_worker_input(global_batches(), num_replicas=WORKERS)  # acc
 show_table(["input", "error", "says"], refused)
 
 # %% [markdown]
-# ### Two workers with `MultiWorkerFit` equal one device
+# ### Exercise 4 · `TF_CONFIG` for three machines
 #
-# The other three models of the run above: plain, with `AccumulatingOptimizer` (k = 2
-# `fit` steps of 8 examples per update) and with `MicroBatching` (k = 2 micro-batches
-# inside each step of 16). Each equals Keras' own `fit` on one device, batches of 16.
-
-# %%
-import fit_worker  # noqa: E402  (the module written above)
-
-x_fit, y_fit = regression_data(2 * fit_worker.GLOBAL_BATCH)
-one_device = fit_run(None, lambda: keras.optimizers.Adam(0.01), x_fit, y_fit,
-                     batch_size=fit_worker.GLOBAL_BATCH)
-fixed = variants[1:]
-rows = []
-for variant in fixed:
-    runs = [r.value[variant] for r in results]
-    for index, run in enumerate(runs):
-        diff = check_close(run["weights"], one_device.final)
-        rows.append((variant, index, run["updates"], f"{run['loss'][0]:.6f}",
-                     f"{diff.max_abs:.1e}"))
-        assert run["updates"] == one_device.updates == 2
-    assert runs[0]["weights"] == runs[1]["weights"] and runs[0]["loss"] == runs[1]["loss"]
-show_table(["model", "worker", "updates", "logged loss", "max abs diff vs 1 device"],
-           rows + [("keras.Model, one device", "", one_device.updates,
-                    f"{one_device.model.history.history['loss'][0]:.6f}", "")])
+# Write the `TF_CONFIG` of the third worker of a cluster on `a:2222`, `b:2222` and
+# `c:2222`. What task type and index, and how many workers, will the strategy read?
 
 # %% [markdown]
-# Both workers hold the same weights and log the same loss, and the weights equal one
-# device's to float32 precision, with either way of accumulating.
+# #### Answer
 #
-# ### The chief's checkpoint
-#
-# Every worker ran the same `ModelCheckpoint`, but only the chief's path is
-# `checkpoint_dir`; restored on one device, the chief's file holds the one-device weights:
+# The same `cluster` on all three machines, and `"task": {"type": "worker", "index": 2}`.
+# TensorFlow's `TFConfigClusterResolver`, which `MultiWorkerMirroredStrategy()` uses, reads
+# it from the environment:
 
 # %%
-chief_file = results[0].value["MultiWorkerFitModel"]["checkpoint"]
-assert all(r.value[v]["checkpoint"] is None for r in results[1:] for v in fixed)
-assert sorted(os.listdir(checkpoint_dir)) == [f"model{i}.weights.h5" for i in (1, 2, 3)]
-restored = tiny_model()
-restored.load_weights(chief_file)
-restored_diff = check_close(weights_of(restored), one_device.final)
-print(f"chief's {os.path.basename(chief_file)}, restored on one device: max abs diff vs "
-      f"1 device {restored_diff.max_abs:.1e}")
+third = {"cluster": {"worker": ["a:2222", "b:2222", "c:2222"]},
+         "task": {"type": "worker", "index": 2}}
+os.environ["TF_CONFIG"] = json.dumps(third)
+try:
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    print(resolver.task_type, resolver.task_id, resolver.cluster_spec().num_tasks("worker"))
+    assert (resolver.task_type, resolver.task_id) == ("worker", 2)
+    assert resolver.cluster_spec().num_tasks("worker") == 3
+finally:
+    del os.environ["TF_CONFIG"]  # this process is no worker
 
 # %% [markdown]
-# ## Takeaways
-#
-# * A worker is a process; `TF_CONFIG` tells it the cluster and its own index, and
-#   `MultiWorkerMirroredStrategy()` must be created before any other TensorFlow work.
-# * On MWMS the optimizer's SUM all-reduce is still the one sync point per step: two
-#   workers, each feeding its shard through `distribute_datasets_from_function`, train
-#   exactly like one device on the whole batch; so do `GradientAccumulator` and
-#   `AccumulatingOptimizer`, with one all-reduce per update.
-# * Stock Keras 3 `model.fit` fails on several workers before its first step
-#   (keras-team/keras#20585), and past that on its scalar logs (tensorflow/tensorflow#72388).
-#   `distgrad.MultiWorkerFit` (or `MultiWorkerFitModel`) makes it train exactly like one
-#   device, also with `AccumulatingOptimizer` or `MicroBatching`, from a `tf.data.Dataset`
-#   of global batches (`drop_remainder=True`) that TensorFlow auto-shards by `DATA`.
-# * MWMS uses `merge_call` like `MirroredStrategy`: lesson 03's rule about sync points
-#   inside `tf.cond` holds here too.
-# * Every worker saves, in a custom loop and in `fit` (the same `ModelCheckpoint` on every
-#   worker); only the chief writes the real checkpoint.
-# * Set a collective timeout: a dead worker then produces an error, not a hang.
-#
-# ## Exercises
-#
-# 1. Run the section 2 cell with `optimizer="momentum"` and with `optimizer="adamw"`
-#    (the names of `distgrad.lab.compare.OPTIMIZERS`; change `reference` to match): do
-#    both workers still agree with one device?
-# 2. Start four workers: `run_workers("distgrad.lab.workers:train_on_worker", 4, ...)`.
-#    What are `replicas` and the shard size now, and do the weights still match? Then
-#    try 3 workers: which line of `train_on_worker` fails, and why (16 examples)?
-# 3. In section 5, pass `collective_timeout=3.0`: how long does the survivor wait now?
-# 4. In section 6's worker, give `dataset` the option `AutoShardPolicy.OFF` instead of
-#    `DATA`: what does `MultiWorkerFit` say, and why would both workers otherwise train on
-#    the same examples? Then feed `fit` with
-#    `strategy.distribute_datasets_from_function(dataset_fn)` instead (`dataset_fn` shards
-#    with `context.input_pipeline_id` and batches
-#    `context.get_per_replica_batch_size(batch_size)` with `drop_remainder=True`): do the
-#    weights still equal one device's?
-#
 # ## Further reading
 #
 # * TensorFlow tutorials *Multi-worker training with Keras* and *Custom training loop with
-#   MultiWorkerMirroredStrategy*; `tf.distribute.InputContext`.
-# * `tf.distribute.experimental.CommunicationOptions` (timeouts, NCCL/RING).
-# * Installed source: `tensorflow/python/distribute/collective_all_reduce_strategy.py`
-#   (`_use_merge_call`, `_check_health`, `_reduce_to`); `keras/src/backend/tensorflow/
-#   trainer.py` (`_maybe_symbolic_build`, `reduce_per_replica`).
+#   MultiWorkerMirroredStrategy*; `tf.distribute.experimental.CommunicationOptions`.
 # * keras-team/keras#20585 (`fit` on MWMS in Keras 3, open), tensorflow/tensorflow#72388;
-#   the stock reproduction on the [upstream page](../upstream.md#multi-worker-fit).
+#   the [upstream page](../upstream.md#multi-worker-fit).
+# * The [API reference](../api.md): `GradientAccumulator`, `AccumulatingOptimizer`,
+#   `MultiWorkerFit`, `check_multi_worker_input`.

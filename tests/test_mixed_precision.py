@@ -49,7 +49,7 @@ def test_keras_own_wrapper_is_refused_at_the_first_step_naming_the_fix(strategy1
     assert "AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(" in str(err.value)
 
 
-# On R replicas lesson 04 §5 makes and asserts these runs (once per suite).
+# On R replicas lesson 04's deep dive "four optimizers" makes these runs (once per suite).
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

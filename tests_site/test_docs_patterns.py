@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import nbformat
 import pytest
 from site_helpers import DOCS, ROOT, hooks
@@ -149,3 +151,47 @@ def test_vendored_mermaid_is_the_one_recorded():
     assert hashlib.sha256(script.read_bytes()).hexdigest() == recorded
     # It defines the global `mermaid` that Material looks for before using a CDN.
     assert 'globalThis["mermaid"]' in script.read_text(encoding="utf-8")[-300:]
+
+
+def _markdown_cell(heading: str) -> str:
+    return (
+        '<div class="jp-Cell jp-MarkdownCell jp-Notebook-cell" id="cell-id=m">\n'
+        '<div class="jp-Cell-inputWrapper"><div class="jp-RenderedHTMLCommon jp-RenderedMarkdown '
+        f'jp-MarkdownOutput" data-mime-type="text/markdown">\n{heading}<p>text</p></div></div></div>'
+    )
+
+
+_CODE_CELL = (
+    '<div class="jp-Cell jp-CodeCell jp-Notebook-cell">\n<div class="jp-Cell jp-CodeCell '
+    'jp-Notebook-cell" id="cell-id=c"><pre>code</pre></div></div>'
+)
+
+
+def test_deep_dives_and_answers_collapse_up_to_the_next_heading_of_their_level():
+    def h(level, text, anchor):
+        return f'<h{level} id="{anchor}">{text}<a class="headerlink" href="#{anchor}">¶</a></h{level}>'
+
+    cells = [
+        _markdown_cell(h(2, "1 · The fix", "fix")), _CODE_CELL,
+        _markdown_cell(h(2, "Deep dive · The errors", "dd")), _CODE_CELL,
+        _markdown_cell(h(3, "Inside", "in")), _CODE_CELL,
+        _markdown_cell(h(2, "Exercises", "ex")),
+        _markdown_cell(h(3, "Exercise 1 · k", "e1")), _markdown_cell(h(4, "Answer", "a1")),
+        _CODE_CELL,
+        _markdown_cell(h(3, "Exercise 2 · R", "e2")),
+    ]
+    page = '<div class="jp-Notebook">' + "".join(cells) + "</div>"
+    collapsed = hooks._collapse_deep_dives(page, _Page)
+    skeleton = re.findall(r'<details class="[\w -]+">|</details>|<h\d id="\w+"|<pre>', collapsed)
+    assert skeleton == [
+        '<h2 id="fix"', "<pre>",
+        '<details class="deep-dive example">', '<h2 id="dd"', "<pre>", '<h3 id="in"', "<pre>",
+        "</details>",
+        '<h2 id="ex"', '<h3 id="e1"',
+        '<details class="answer success">', '<h4 id="a1"', "<pre>", "</details>",
+        '<h3 id="e2"',
+    ]
+    # The heading is the summary line, not repeated inside.
+    assert collapsed.count('id="dd"') == 1
+    assert '<summary class="collapsed-heading"><h2 id="dd">' in collapsed
+    assert hooks._collapse_deep_dives(cells[0], _Page) == cells[0]

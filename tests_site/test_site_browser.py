@@ -62,7 +62,8 @@ def test_lesson_page_renders_every_code_cell_with_its_outputs(page, screenshots,
     # Every code cell shows highlighted source and has a copy button.
     assert page.locator(f"{cell} .jp-InputArea .highlight-ipynb pre").count() == len(code_cells)
     assert page.locator(f"{cell} clipboard-copy").count() == len(code_cells)
-    # Every cell that produced output shows it, visibly.
+    # Every cell that produced output shows it, visibly (deep dives and answers once opened).
+    page.evaluate("document.querySelectorAll('article details').forEach(d => d.open = true)")
     heights = page.locator(f"{cell}:has(.jp-OutputArea-output)").evaluate_all(
         "cells => cells.map(c => c.querySelector('.jp-OutputArea-output')"
         ".getBoundingClientRect().height)")

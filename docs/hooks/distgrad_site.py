@@ -14,11 +14,22 @@ the pages show from the repository:
   answers (a lesson answers the questions whose section in `docs/questions.md` links to
   it), downloads of its jupytext source `notebooks/NN_x.py` (copied into the site) and of
   the executed `.ipynb` (copied by mkdocs-jupyter's `include_source`), and how to run it.
+* **Notebook diagrams shown.** A ```` ```mermaid ```` fence in a lesson becomes a figure
+  that Material draws with the vendored mermaid (nbconvert's wrapper would stay hidden
+  without its CDN script).
 * **Diagrams drawn once.** `<div class="diagram" data-diagram="NAME">fallback</div>`, in
   a notebook's markdown cell or a markdown page, becomes the mermaid diagram in
   `docs/diagrams/NAME.mmd`; the fallback (usually a link) stays as its caption.
+* **Math offline.** mkdocs-jupyter loads MathJax from `custom_mathjax_url` (mkdocs.yml):
+  the build copies MathJax 2.7 from the `jupyter-server-mathjax` package (the docs extra)
+  to `assets/vendor/mathjax/` in the site, so no page needs a CDN.
 * **Versions.** `<div class="executed-versions"></div>` in `docs/versions.md` becomes a
   table of the environment report that each executed lesson printed.
+* **Deep dives and answers collapse.** A lesson's markdown cell that begins with a
+  heading reading "Deep dive ..." or "Answer ..." starts a collapsed `<details>` block
+  (the heading becomes its summary). The block holds that cell and every cell after it
+  up to the next cell that begins with a heading of the same or a higher level. In
+  JupyterLab they stay ordinary sections; on the page a reader sees the core first.
 
 What a lesson or a module must add by hand (a nav line, a learning-path row, an entry in
 `docs/api.md`) is not checked here but by `tests_site/test_site_completeness.py`: the
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import ast
 import html
+import importlib.util
 import json
 import logging
 import posixpath
@@ -53,6 +65,11 @@ _DIAGRAM = re.compile(
     r'<div class="diagram" data-diagram="(?P<name>[\w-]+)"\s*>(?P<inner>.*?)</div>', re.DOTALL
 )
 _EXECUTED_VERSIONS = '<div class="executed-versions"></div>'
+# A ```mermaid fence in a notebook's markdown cell, as nbconvert writes it: its wrapper stays
+# hidden (display: none) until nbconvert's own script renders it with mermaid from a CDN.
+_NOTEBOOK_MERMAID = re.compile(
+    r'<div class="jp-Mermaid">\s*<pre class="mermaid">(?P<source>.*?)</pre>\s*</div>', re.DOTALL
+)
 
 _state: dict = {}
 
@@ -93,12 +110,14 @@ def on_nav(nav, config, files):
 def on_page_content(html_text, page, config, files):
     html_text = _DIAGRAM.sub(lambda m: _diagram(m, page), html_text)
     if _is_lesson(page.file):
+        html_text = _NOTEBOOK_MERMAID.sub(_notebook_mermaid, html_text)
         page.toc = get_toc(_toc_from_headings(html_text))
         # Material styles `headerlink` permalinks and leaves them out of search titles
         # (nbconvert's "anchor-link" would show up there as a trailing "¶").
         html_text = html_text.replace('<a class="anchor-link"', '<a class="headerlink"')
         html_text = _rewrite_lesson_links(html_text, page, files)
         html_text = _insert_lesson_header(html_text, page, files)
+        html_text = _collapse_deep_dives(html_text, page)
         stem = _stem(page.file)
         dest_dir = Path(page.file.abs_dest_path).parent
         _state["sources_to_copy"][dest_dir / f"{stem}.py"] = _state["notebooks"] / f"{stem}.py"
@@ -123,6 +142,15 @@ def _diagram(match, page) -> str:
     return (
         f'<figure class="diagram" data-diagram="{name}">'
         f'<pre class="mermaid"><code>{html.escape(source)}</code></pre>{caption}</figure>'
+    )
+
+
+def _notebook_mermaid(match) -> str:
+    """A notebook's mermaid fence drawn like the site's diagrams: by Material, from the
+    vendored mermaid, in a figure that is shown (nbconvert's wrapper is hidden offline)."""
+    return (
+        '<figure class="diagram"><pre class="mermaid"><code>'
+        f"{match.group('source').strip()}</code></pre></figure>"
     )
 
 
@@ -234,6 +262,106 @@ def _insert_lesson_header(html_text, page, files):
     return html_text[:title_end] + header + html_text[title_end:]
 
 
+# --------------------------------------------------------------------- collapsed blocks
+
+_CELL_START = '<div class="jp-Cell '
+_DIV_TAG = re.compile(r"<div\b|</div>")
+_FIRST_HEADING = re.compile(
+    r'^\s*<div class="jp-Cell jp-MarkdownCell[^"]*"[^>]*>.*?'
+    r'data-mime-type="text/markdown">\s*(?P<heading><h(?P<level>[1-6])\b[^>]*>(?P<inner>.*?)</h(?P=level)>)',
+    re.DOTALL,
+)
+_TAG = re.compile(r"<[^>]+>")
+# The words a heading starts with that make it a collapsed block, and the block's class.
+COLLAPSED_KINDS = {"Deep dive": "deep-dive example", "Answer": "answer success"}
+
+
+def _cell_spans(html_text) -> list[tuple[int, int]]:
+    """(start, end) of every notebook cell: each `<div class="jp-Cell ...">` to its own
+    closing `</div>` (found by counting the divs opened and closed after it)."""
+    spans = []
+    start = html_text.find(_CELL_START)
+    while start >= 0:
+        depth, end = 0, None
+        for tag in _DIV_TAG.finditer(html_text, start):
+            depth += 1 if tag.group(0) != "</div>" else -1
+            if depth == 0:
+                end = tag.end()
+                break
+        if end is None:
+            break
+        spans.append((start, end))
+        start = html_text.find(_CELL_START, end)
+    return spans
+
+
+def _leading_heading(cell_html):
+    """(level, text, heading html) of the heading a markdown cell begins with, or None."""
+    match = _FIRST_HEADING.match(cell_html)
+    if match is None:
+        return None
+    text = html.unescape(_TAG.sub("", _ANCHOR_LINK.sub("", match.group("inner")))).strip()
+    text = text.rstrip("¶").strip()
+    return int(match.group("level")), text, match.group("heading")
+
+
+def _collapsed_kind(text):
+    for words, css_class in COLLAPSED_KINDS.items():
+        if text.startswith(words):
+            return css_class
+    return None
+
+
+def _collapse_deep_dives(html_text, page):
+    """Wrap each deep dive / answer (see the module docstring) in a closed `<details>`.
+    Blocks nest: an answer inside a deep dive is a block of its own inside it."""
+    spans = _cell_spans(html_text)
+    headings = [_leading_heading(html_text[start:end]) for start, end in spans]
+    opened: dict[int, tuple[str, str]] = {}  # first cell -> (css class, heading html)
+    closed_after: dict[int, int] = {}  # last cell -> how many blocks end there
+    for first, heading in enumerate(headings):
+        kind = heading and _collapsed_kind(heading[1])
+        if not kind:
+            continue
+        level, title, heading_html = heading
+        last = first
+        while last + 1 < len(spans):
+            following = headings[last + 1]
+            if following is not None and following[0] <= level:
+                break
+            last += 1
+        inside = _HEADING.findall(html_text[spans[first][0] : spans[last][1]])[1:]
+        higher = [inner for lvl, _, inner in inside if int(lvl) <= level]
+        if higher:
+            log.warning(
+                "%s: the collapsed block %r holds a heading of its level or higher in the "
+                "middle of a cell (%s): start that heading's own markdown cell.",
+                page.file.src_uri,
+                title,
+                _TAG.sub("", _ANCHOR_LINK.sub("", higher[0])).strip().rstrip("¶"),
+            )
+        opened[first] = (kind, heading_html)
+        closed_after[last] = closed_after.get(last, 0) + 1
+    if not opened:
+        return html_text
+    pieces, previous_end = [], 0
+    for index, (start, end) in enumerate(spans):
+        pieces.append(html_text[previous_end:start])
+        cell = html_text[start:end]
+        if index in opened:
+            kind, heading_html = opened[index]
+            pieces.append(
+                f'<details class="{kind}"><summary class="collapsed-heading">'
+                f"{heading_html}</summary>"
+            )
+            cell = cell.replace(heading_html, "", 1)
+        pieces.append(cell)
+        pieces.append("</details>" * closed_after.get(index, 0))
+        previous_end = end
+    pieces.append(html_text[previous_end:])
+    return "".join(pieces)
+
+
 # ------------------------------------------------------------------------------ versions
 
 
@@ -335,3 +463,33 @@ def on_post_build(config):
         if source.is_file():
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, dest)
+    _copy_mathjax(Path(config.site_dir) / "assets" / "vendor" / "mathjax")
+
+
+def _copy_mathjax(dest: Path) -> None:
+    """MathJax 2.7 (what mkdocs-jupyter's pages configure) from jupyter-server-mathjax,
+    without its translations and accessibility explorer (not loaded by the config)."""
+    spec = importlib.util.find_spec("jupyter_server_mathjax")
+    static = Path(spec.origin).parent / "static" if spec and spec.origin else None
+    if static is None or not (static / "MathJax.js").is_file():
+        log.warning(
+            "MathJax is missing: the lesson pages would show raw TeX. Install the docs "
+            "extra (pip install -e '.[docs]', which brings jupyter-server-mathjax)."
+        )
+        return
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(static, dest, ignore=shutil.ignore_patterns("localization", "a11y"))
+    local = dest / "config" / "local"
+    local.mkdir(parents=True, exist_ok=True)
+    (local / "distgrad.js").write_text(MATHJAX_LOCAL_CONFIG, encoding="utf-8")
+
+
+# Loaded after the page's own MathJax configuration (`,local/distgrad` in mkdocs.yml's
+# custom_mathjax_url): the package ships only the STIX-Web fonts, not MathJax's default TeX.
+MATHJAX_LOCAL_CONFIG = """MathJax.Hub.Config({
+  "HTML-CSS": {availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null},
+  SVG: {font: "STIX-Web"}
+});
+MathJax.Ajax.loadComplete("[MathJax]/config/local/distgrad.js");
+"""

@@ -10,6 +10,7 @@ returns the source of a function or class as an `IPython.display.Code` block;
 from __future__ import annotations
 
 import ast
+import html
 import inspect
 import textwrap
 
@@ -48,20 +49,36 @@ ENVIRONMENT_METADATA = "distgrad_environment"
 
 
 def show_environment(report: dict) -> None:
-    """Display an environment report (`distgrad.environment_report`) as a table.
+    """Display an environment report (`distgrad.environment_report`) as a table, collapsed
+    under a one-line summary (TensorFlow, Keras, strategy and replicas) so that a lesson
+    opens with its question, not with a screen-high table.
 
     The report itself rides along in the output's metadata (`ENVIRONMENT_METADATA`), where
     the site's versions page reads it.
     """
-    from IPython.display import Markdown, display
+    from IPython.display import HTML, display
 
     def text(value):
         if isinstance(value, (list, tuple)):
             return ", ".join(map(str, value)) or "none"
-        return value
+        return str(value)
 
-    table = markdown_table(["", "value"], [(key, text(value)) for key, value in report.items()])
-    display(Markdown(table), metadata={ENVIRONMENT_METADATA: dict(report)})
+    summary = (
+        f"Ran on TensorFlow {report.get('tensorflow', '?')}, Keras {report.get('keras', '?')}, "
+        f"{report.get('strategy', '?')} × {report.get('replicas', '?')} replicas"
+    )
+    rows = "".join(
+        f"<tr><td>{html.escape(str(key))}</td><td>{html.escape(text(value))}</td></tr>"
+        for key, value in report.items()
+    )
+    display(
+        HTML(
+            f'<details class="environment"><summary>{html.escape(summary)}</summary>'
+            f"<table><thead><tr><th></th><th>value</th></tr></thead><tbody>{rows}</tbody>"
+            "</table></details>"
+        ),
+        metadata={ENVIRONMENT_METADATA: dict(report)},
+    )
 
 
 def show_code(obj):

@@ -303,3 +303,25 @@ def accumulated_equivalence(task_index: int, num_workers: int, recipe: str = "ac
         "max_abs_diff_vs_one_device": diff.max_abs,
         "max_rel_diff_vs_one_device": diff.max_rel,
     }
+
+
+def run_script(task_index: int, num_workers: int, path: str) -> dict:
+    """Run the Python file `path` in this worker as `python path` would (`run_workers` has
+    set its `TF_CONFIG`), then report what its globals `strategy`, `model` and `optimizer`
+    hold: the task the strategy read, its replicas and devices, the updates, the weights.
+
+    Lesson 06 writes its fix cell, as it ran in the notebook, to `path` and runs it here on
+    every worker of a local cluster.
+    """
+    import runpy
+
+    script = runpy.run_path(path, run_name="__main__")
+    strategy, model, optimizer = script["strategy"], script["model"], script["optimizer"]
+    resolver = strategy.cluster_resolver
+    return {
+        "task": [resolver.task_type, resolver.task_id],
+        "replicas": strategy.num_replicas_in_sync,
+        "local_devices": list(strategy.extended.worker_devices),
+        "updates": int(optimizer.iterations.numpy()),
+        "weights": [w.numpy() for w in model.weights],
+    }

@@ -78,28 +78,37 @@ class CompoundAssignmentRecord:
     keras_variable_value_after: float
 
 
+def compound_body(i, grad):
+    """The question's `tf.while_loop` body: `g += _g`, then return the list."""
+    _grad = _increment(i)
+    for g, _g in zip(grad, _grad):
+        g += _g  # rebinds the name `g`; `grad` still holds the old tensors
+    return i + 1, grad
+
+
+def returned_body(i, grad):
+    """The accepted answer's body: build new tensors and return them."""
+    _grad = _increment(i)
+    grad = [g + _g for g, _g in zip(grad, _grad)]
+    return i + 1, grad
+
+
+def run_while_loop(body, iterations: int) -> list:
+    """`body` as a `tf.while_loop` body for `iterations` iterations, from `[[1, 2], 10]`."""
+    @tf.function
+    def loop():
+        _, grad = tf.while_loop(lambda i, _: i < iterations, body,
+                                [tf.constant(0), _initial()], parallel_iterations=1)
+        return grad
+    return _to_lists(loop())
+
+
 def reproduce(iterations: int = 3) -> CompoundAssignmentRecord:
     """Run the four accumulation patterns for `iterations` iterations and record them."""
     positive_int("iterations", iterations)
 
-    def compound_body(i, grad):
-        _grad = _increment(i)
-        for g, _g in zip(grad, _grad):
-            g += _g  # rebinds the name `g`; `grad` still holds the old tensors
-        return i + 1, grad
-
-    def returned_body(i, grad):
-        _grad = _increment(i)
-        grad = [g + _g for g, _g in zip(grad, _grad)]
-        return i + 1, grad
-
     def run(body):
-        @tf.function
-        def loop():
-            _, grad = tf.while_loop(lambda i, _: i < iterations, body,
-                                    [tf.constant(0), _initial()], parallel_iterations=1)
-            return grad
-        return _to_lists(loop())
+        return run_while_loop(body, iterations)
 
     accumulators = [tf.Variable(t) for t in _initial()]
 

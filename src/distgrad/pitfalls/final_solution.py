@@ -215,15 +215,17 @@ def audit_final_solution(strategy, examples: int = 16, micro_batches: int | None
         def record_replicas(batch, logs=None):
             seen.setdefault("n", distributed._num_workers_)
 
+        record = keras.callbacks.LambdaCallback(on_train_batch_end=record_replicas)
         distributed.fit(x, y, batch_size=examples, grad_accum_steps=micro_batches,
-                        shuffle=False, verbose=0,
-                        callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=record_replicas)])
+                        shuffle=False, verbose=0, callbacks=[record])
     reference = big_batch_reference(lambda: keras.optimizers.SGD(0.1), x, y)
     return FinalSolutionAudit(
         super_self_error=super_error,
         import_errors=import_errors,
         attributes_present=present,
-        legacy_isinstance=isinstance(owners["loss_scale_optimizer"], legacy_lso.LossScaleOptimizer),
+        legacy_isinstance=isinstance(
+            owners["loss_scale_optimizer"], legacy_lso.LossScaleOptimizer
+        ),
         aggregate_flag_error=flag_error,
         apply_clips_itself=apply_clips,
         iterations_with_k1=iterations,

@@ -72,7 +72,8 @@ def reproduce(micro_batches: int = 2, strategy=None) -> MeanOfMeansRecord:
     mean_of_means = [sum(g) / micro_batches for g in zip(*[
         _grads(model, x[p], y[p], mask[p], count_tokens(mask[p])) for p in parts])]
     total = count_tokens(mask)
-    global_count = [sum(g) for g in zip(*[_grads(model, x[p], y[p], mask[p], total) for p in parts])]
+    global_count = [sum(g) for g in zip(*[
+        _grads(model, x[p], y[p], mask[p], total) for p in parts])]
     record = dict(
         micro_batches=micro_batches, token_counts=counts,
         mean_of_means_vs_big_batch=_max_abs(mean_of_means, big),
