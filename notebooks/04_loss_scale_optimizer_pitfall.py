@@ -187,12 +187,18 @@ display(show_code(first_replica.reproduce))
 
 # %%
 from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
+from distgrad import mixed_precision
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
 ours = inspect.getsource(AllReplicasFiniteLossScaleOptimizer._tf_apply)
 start, end = ours.index("        def _handle_cross_replica"), ours.index("            def apply_fn")
 display(Code(textwrap.dedent(ours[start:end]).rstrip(), language="python"))
-assert "finite = tf.reduce_all(tf.stack(" in ours and ")[0]" not in ours
+assert "finite = _finite_everywhere(distribution, finite_per_replica)" in ours
+assert ")[0]" not in ours  # no replica is taken for all
+# On one worker, every replica's flag ANDed; on several workers, one more small all-reduce
+# (MultiWorkerMirroredStrategy: a worker sees only its own replicas' flags).
+everywhere = inspect.getsource(mixed_precision._finite_everywhere)
+assert "return tf.reduce_all(tf.stack(local))" in everywhere
 for hit, (stock, fixed) in runs.items():
     assert len(warned[hit]) == 1 and warned[hit][0].startswith(  # and it says so, once
         "AllReplicasFiniteLossScaleOptimizer: 1 step(s) skipped in this fit")

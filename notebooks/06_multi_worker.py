@@ -179,9 +179,13 @@ show_code(workers.run_script)
 # * **The buffers are replica-local** (`ON_READ`), and hold gradients of *sums*: divided
 #   by the update's examples, their sum over replicas and micro-steps is the big batch's
 #   mean gradient, also for the smaller last update.
-# * **One sync per update**, in `apply_gradients`. So it is for distgrad's two accumulators
-#   on two workers, counted in their traced functions (`AccumulatingOptimizer`'s all-reduce
-#   sits in the branch of its micro-step that updates, run once every k):
+# * **One gradient sync per update**, in `apply_gradients` (the fix above has no other).
+#   distgrad's two accumulators add one all-reduce of a single float per update on several
+#   workers: they check that every replica's gradients are finite before applying, and a
+#   worker sees only its own replicas' flags; summed over workers, every worker decides
+#   alike (else one that skips would leave the others waiting in the gradient all-reduce).
+#   Counted in their traced functions (`AccumulatingOptimizer`'s all-reduces sit in the
+#   branch of its micro-step that updates, run once every k):
 
 # %%
 rows = []
@@ -197,7 +201,8 @@ for recipe in ("GradientAccumulator", "AccumulatingOptimizer"):
         rows.append((recipe, index, v["iterations"], *counts,
                      f"{v['max_abs_diff_vs_one_device']:.1e}"))
         assert v["iterations"] == 2 and v["max_abs_diff_vs_one_device"] <= 1e-6
-        assert counts == ((0, 1) if recipe == "GradientAccumulator" else (1, 0))
+        # the gradients' all-reduce and the finiteness flags' (one float), once per update
+        assert counts == ((0, 2) if recipe == "GradientAccumulator" else (2, 0))
 show_table(["class", "worker", "updates", "all-reduces: micro-step function",
             "apply function", "max abs diff vs 1 device"], rows)
 

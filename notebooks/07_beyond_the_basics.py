@@ -178,6 +178,27 @@ assert uneven.global_count_vs_big_batch <= 1e-6  # right
 assert uneven.per_replica_mean_vs_big_batch > 0.1 * uneven.gradient_scale
 assert uneven.global_count_across_replicas_vs_big_batch <= 1e-6
 
+# %% [markdown]
+# The same four numbers, drawn: only the counts summed over the whole update (and over the
+# replicas) land at float32 rounding.
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+errors = {"mean of micro-batch means": uneven.mean_of_means_vs_big_batch,
+          "the update's count": uneven.global_count_vs_big_batch,
+          f"each replica's own count ({R})": uneven.per_replica_mean_vs_big_batch,
+          "all-reduced count": uneven.global_count_across_replicas_vs_big_batch}
+relative = [max(e / uneven.gradient_scale, 1e-9) for e in errors.values()]  # 0 drawn at 1e-9
+fig, ax = plt.subplots(figsize=(7.5, 2.4))
+ax.barh(list(errors), relative, color=["tab:red" if r > 1e-6 else "tab:green" for r in relative])
+ax.set_xscale("log")
+ax.axvline(1e-6, color="gray", linestyle="--", linewidth=1)
+ax.set_xlabel("max |gradient − big batch's| / gradient scale (log; dashed: 1e-6)")
+ax.invert_yaxis()
+plt.tight_layout()
+plt.show()
+
 # %%
 show_code(mean_of_means.reproduce)
 

@@ -69,7 +69,11 @@ def test_the_base_install_is_the_reference_package_only():
 
 
 SHARED = ("_apply_unless_non_finite", "_no_output", "_poisoned", "_clips_each_replica",
-          "_summed_on_replica_0", "LOSS_SCALE", "CLIP_OPTIONS", "NON_FINITE_POLICIES")
+          "_summed_on_replica_0", "_finite_everywhere", "LOSS_SCALE", "CLIP_OPTIONS",
+          "NON_FINITE_POLICIES")
+# The one helper that every Keras 3 file deciding "did any replica overflow?" needs (tf-keras
+# accumulates gradients already summed over every worker: its flags agree without it).
+EVERYWHERE = ("optimizer.py", "mixed_precision.py")
 
 
 def test_the_non_finite_policy_is_the_same_code_in_both_files_that_need_it():
@@ -88,3 +92,5 @@ def test_the_non_finite_policy_is_the_same_code_in_both_files_that_need_it():
     accumulator, train_step = definitions("accumulator.py"), definitions("train_step.py")
     assert set(accumulator) == set(SHARED)
     assert accumulator == train_step
+    for name in EVERYWHERE:
+        assert definitions(name)["_finite_everywhere"] == accumulator["_finite_everywhere"], name

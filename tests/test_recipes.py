@@ -16,8 +16,8 @@ this machine's devices (two logical CPUs without GPUs), or two local worker proc
 their `TF_CONFIG` (each its own GPUs, or the CPU only). It passes when every process exits
 0 and prints `recipe check passed` last: the script asserted that its weights equal
 big-batch training on one device (float32 to 1e-6; mixed_float16, against the same mixed
-big batch, to 1e-2 / 1e-3). The Keras 3 mixed_float16 several-workers cells are unsupported:
-the last test shows why on the `model.fit` recipe (an overflow on one worker hangs both).
+big batch, to 1e-2 / 1e-3). The last test runs the Keras 3 recipes with mixed_float16 on
+two workers and an overflow on one worker only: both skip together (it used to hang both).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from distgrad.lab.multiworker import free_ports, visible_gpus, worker_devices
@@ -201,30 +202,52 @@ def test_the_recipe_runs_and_equals_one_big_batch_step(key, tmp_path):
         assert code == 0 and lines and lines[-1].startswith(PASSED), report
 
 
-@pytest.mark.parametrize("outlier", [False, True], ids=["no-overflow", "one-worker-overflows"])
-def test_keras3_mixed_fit_on_two_workers_hangs_when_one_worker_overflows(outlier, tmp_path):
-    # Why the Keras 3 mixed_float16 several-workers cells say unsupported, on the model.fit
-    # recipe: --mixed on two workers, with a collective timeout of 30 s. Without an outlier
-    # it passes its check; with one outlier target (its float16 gradient overflows) in one
-    # worker's part of micro-batch 2 (a worker gets a contiguous part of every batch), that
-    # worker skips and the other waits in the all-reduce, until the timeout.
-    assert all("(#keras3-mixed-workers)" in CELLS[(way, "Keras 3", "mixed_float16",
-                                                   "several workers")] for way in WAYS)
-    source = RECIPES["fit-keras3"]
+OUTLIER_REPORT = """
+import json
+opt = globals().get("optimizer") or model.optimizer
+print("RESULT " + json.dumps({
+    "scale": float(opt.dynamic_scale.numpy()), "iterations": int(opt.iterations.numpy()),
+    "skipped": int(opt.skipped_steps.numpy()) if hasattr(opt, "skipped_steps") else None,
+    "weights": [w.tolist() for w in model.get_weights()]}))
+"""
+
+
+@pytest.mark.parametrize("way", ["loop", "fit", "train-step"])
+def test_keras3_mixed_on_two_workers_skips_together_when_one_worker_overflows(way, tmp_path):
+    # The Keras 3 mixed_float16 several-workers cells: the recipe with --mixed, one outlier
+    # target (its float16 gradient overflows) in one worker's part of a batch (a worker gets
+    # a contiguous part of every batch), and a collective timeout of 30 s. The overflow
+    # decision is global (one all-reduce of the replicas' flags), so both workers skip the
+    # same step(s) and end with the same weights as the same run on one machine (two
+    # replicas there too, the same split), which skips the same micro-batch. Before that,
+    # the worker that overflowed skipped while the other waited in the gradient all-reduce
+    # until `Collective has timed out`.
+    source = RECIPES[f"{way}-keras3"]
     old = "tf.distribute.MultiWorkerMirroredStrategy()"
     assert source.count(old) == 1
     source = source.replace(old, "tf.distribute.MultiWorkerMirroredStrategy(communication_options="
                             "tf.distribute.experimental.CommunicationOptions(timeout_seconds=30))")
-    if outlier:
-        source, count = re.subn(r"^(y = .*)$", r"\1\ny[MICRO + MICRO // 2 + 1] = 1e4", source,
-                                flags=re.MULTILINE)
-        assert count == 1
-    results, report = run(tmp_path, source, "fit_keras3.py", mixed=True, workers=True,
-                          tf_keras=False)
-    if not outlier:
-        assert all(code == 0 and out.strip().splitlines()[-1].startswith(PASSED)
-                   for _, code, out, _ in results), report
-        return
-    assert all(code is not None and code != 0 and PASSED not in out
-               for _, code, out, _ in results), report  # both failed, neither was killed
-    assert any("Collective has timed out" in err for *_, err in results), report
+    source, count = re.subn(r"^(y = .*)$", r"\1\ny[MICRO + MICRO // 2 + 1] = 1e4", source,
+                            flags=re.MULTILINE)
+    assert count == 1
+    source = source[:source.index("# Check:")] + OUTLIER_REPORT
+    script = f"{way.replace('-', '_')}_keras3.py"
+    runs = {}
+    for workers in (True, False):
+        results, report = run(tmp_path, source, script, mixed=True, workers=workers,
+                              tf_keras=False)
+        for name, code, out, _ in results:
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert code == 0 and len(lines) == 1, report
+            runs[name] = json.loads(lines[0][len("RESULT "):])
+    assert set(runs) == {"worker0", "worker1", "one"}
+    one = runs["one"]
+    assert one["scale"] < 2.0 ** 15, one["scale"]  # the outlier overflowed: a skip at least
+    for name in ("worker0", "worker1"):
+        ours = runs[name]
+        assert (ours["scale"], ours["iterations"], ours["skipped"]) == (
+            one["scale"], one["iterations"], one["skipped"]), (name, ours["scale"], one["scale"])
+        for w, v in zip(ours["weights"], one["weights"], strict=True):
+            np.testing.assert_allclose(w, v, rtol=1e-6, atol=1e-6)
+    for w, v in zip(runs["worker0"]["weights"], runs["worker1"]["weights"], strict=True):
+        np.testing.assert_array_equal(w, v)  # one model, replicated: bit for bit

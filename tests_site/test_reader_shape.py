@@ -43,6 +43,17 @@ def test_a_lessons_visible_core_reads_in_twenty_minutes(site, name):
 
 
 @pytest.mark.parametrize("name", lesson_names())
+def test_a_lessons_core_has_a_figure(site, name):
+    article = BeautifulSoup(
+        (SITE / "lessons" / name / "index.html").read_text(encoding="utf-8"), "html.parser"
+    ).select_one("article")
+    for collapsed in article.select("details"):
+        collapsed.decompose()
+    figures = article.select(".jp-OutputArea-output img, figure.diagram")
+    assert figures, f"{name}: no figure (a plot or a diagram) outside the deep dives"
+
+
+@pytest.mark.parametrize("name", lesson_names())
 def test_deep_dives_and_answers_are_collapsed_and_every_exercise_has_one(site, name):
     article = BeautifulSoup(
         (SITE / "lessons" / name / "index.html").read_text(encoding="utf-8"), "html.parser"

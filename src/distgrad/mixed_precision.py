@@ -56,8 +56,10 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
         * every replica's gradients finite: they are unscaled and applied (the inner
           optimizer all-reduces them) and the scale may grow, as in Keras;
         * any replica's gradients non-finite: no replica applies anything, the scale
-          halves; the decision is the same on every replica (read in cross-replica
-          context, where every replica's flag is visible: no extra collective).
+          halves; the decision is the same on every replica, of every worker (read in
+          cross-replica context: on one worker every replica's flag is visible there, no
+          extra collective; on several workers of a MultiWorkerMirroredStrategy, one
+          small all-reduce of the flags across workers, so that all skip together).
         With one replica it behaves exactly like Keras' wrapper.
 
     Raises:
@@ -139,8 +141,7 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
                 self.check_finite, args=(grads,))
             # The gradients are each replica's partial gradients (Keras 3 sums them
             # later, inside the inner optimizer): every replica must be finite.
-            finite = tf.reduce_all(tf.stack(
-                distribution.experimental_local_results(finite_per_replica)))
+            finite = _finite_everywhere(distribution, finite_per_replica)
 
             def apply_fn():
                 distribution.extended.call_for_each_replica(
@@ -152,3 +153,25 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
 
         tf.distribute.get_replica_context().merge_call(
             _handle_cross_replica, args=(grads, trainable_variables))
+
+
+def _finite_everywhere(distribution, finite):
+    """In cross-replica context: whether the per-replica flag `finite` holds on every
+    replica of every worker.
+
+    `experimental_local_results` holds this worker's replicas only. On one worker (every
+    replica local: MirroredStrategy) their AND is the answer, with no collective. On a
+    MultiWorkerMirroredStrategy of 2+ workers, one small all-reduce (float32: GPU
+    collectives take no int32) adds up the non-finite flags, so every worker takes the same
+    branch; else a worker that skips leaves the others waiting in the gradient all-reduce.
+    Every worker issues it, before the branch, in the same order.
+    """
+    local = distribution.experimental_local_results(finite)
+    if distribution.num_replicas_in_sync == len(local):
+        return tf.reduce_all(tf.stack(local))
+    # Each local replica's 1.0 if non-finite (any order: it is a sum); no replica threads,
+    # which call_for_each_replica would start inside merge_call.
+    non_finite = distribution.experimental_distribute_values_from_function(
+        lambda value_context: 1.0 - tf.cast(
+            local[value_context.replica_id_in_sync_group % len(local)], tf.float32))
+    return tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, non_finite, axis=None), 0.0)

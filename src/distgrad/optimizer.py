@@ -172,7 +172,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     Invariants: `n * k` calls equal `n` inner updates with the mean gradient of each k
     micro-batches (with Keras' loss scaling, `n` steps on k-times larger batches). One
     gradient all-reduce per update, none on other calls (one more with clipping; one of one
-    element without merge_call on 2+ replicas: every replica's finiteness flag). An
+    element without merge_call on 2+ replicas, or on 2+ workers: every replica's finiteness
+    flag). An
     incomplete cycle carries on into the next epoch; `flush()` applies it now, `discard()`
     drops it (`distgrad.callbacks.AccumulationCallback`).
 
@@ -392,8 +393,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     @staticmethod
     def _all_replicas_finite(finite, distribution):
-        if distribution is not None:  # every replica's flag is visible here
-            return tf.reduce_all(tf.stack(distribution.experimental_local_results(finite)))
+        if distribution is not None:  # cross-replica context: every worker's flags
+            return _finite_everywhere(distribution, finite)
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return finite  # else no cross-replica context to read the flags in: all-reduce
@@ -528,3 +529,25 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             config["accumulation_steps"] = config.pop("steps")
         inner = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def _finite_everywhere(distribution, finite):
+    """In cross-replica context: whether the per-replica flag `finite` holds on every
+    replica of every worker.
+
+    `experimental_local_results` holds this worker's replicas only. On one worker (every
+    replica local: MirroredStrategy) their AND is the answer, with no collective. On a
+    MultiWorkerMirroredStrategy of 2+ workers, one small all-reduce (float32: GPU
+    collectives take no int32) adds up the non-finite flags, so every worker takes the same
+    branch; else a worker that skips leaves the others waiting in the gradient all-reduce.
+    Every worker issues it, before the branch, in the same order.
+    """
+    local = distribution.experimental_local_results(finite)
+    if distribution.num_replicas_in_sync == len(local):
+        return tf.reduce_all(tf.stack(local))
+    # Each local replica's 1.0 if non-finite (any order: it is a sum); no replica threads,
+    # which call_for_each_replica would start inside merge_call.
+    non_finite = distribution.experimental_distribute_values_from_function(
+        lambda value_context: 1.0 - tf.cast(
+            local[value_context.replica_id_in_sync_group % len(local)], tf.float32))
+    return tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, non_finite, axis=None), 0.0)

@@ -192,7 +192,8 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
     """Replica context: `apply_fn(grads)` unless some replica's `grads` hold NaN/Inf.
 
     Every replica decides alike: from merge_call's cross-replica view of every replica's
-    flag, or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
+    flag (plus one small all-reduce across workers when replicas are on several workers),
+    or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
     step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + the strings
     and tensors `describe()` returns) before anything changes. `"skip"`: `on_skip()`
     runs instead, once (in cross-replica context when there is one). `LOSS_SCALE`
@@ -224,7 +225,7 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
             tf.cond(finite, lambda: None, lambda: _no_output(on_skip))
         else:  # every replica's flag, read where all are visible
             def every_replica(distribution, flag):
-                everywhere = tf.reduce_all(tf.stack(distribution.experimental_local_results(flag)))
+                everywhere = _finite_everywhere(distribution, flag)
                 tf.cond(everywhere, lambda: None, lambda: _no_output(on_skip))
                 return everywhere
 
@@ -241,8 +242,7 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
             finite = tf.equal(context.all_reduce(
                 tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)), 0.0)
         elif replicas > 1:
-            finite = context.merge_call(lambda distribution, flag: tf.reduce_all(
-                tf.stack(distribution.experimental_local_results(flag))), args=(finite,))
+            finite = context.merge_call(_finite_everywhere, args=(finite,))
         def fail():
             # `describe()` reads variables in here: that makes this cond a resource op for
             # automatic control dependencies, ordered per replica. A bare Assert (stateful,
@@ -271,7 +271,7 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
     def cross_replica(distribution, finite, grads):
         # As in Keras' LossScaleOptimizer._tf_apply: a cond whose branch updates a
         # MirroredStrategy optimizer (merge_call) must be taken in cross-replica context.
-        tf.cond(tf.reduce_all(tf.stack(distribution.experimental_local_results(finite))),
+        tf.cond(_finite_everywhere(distribution, finite),
                 lambda: _no_output(distribution.extended.call_for_each_replica, apply_fn,
                                    args=(grads,)),
                 lambda: _no_output(on_skip))
@@ -520,3 +520,25 @@ def with_micro_batches(model: keras.Model, accumulation_steps: int,
         )
     return MicroBatchingModel(inputs, outputs, accumulation_steps=accumulation_steps,
                               non_finite=non_finite)
+
+
+def _finite_everywhere(distribution, finite):
+    """In cross-replica context: whether the per-replica flag `finite` holds on every
+    replica of every worker.
+
+    `experimental_local_results` holds this worker's replicas only. On one worker (every
+    replica local: MirroredStrategy) their AND is the answer, with no collective. On a
+    MultiWorkerMirroredStrategy of 2+ workers, one small all-reduce (float32: GPU
+    collectives take no int32) adds up the non-finite flags, so every worker takes the same
+    branch; else a worker that skips leaves the others waiting in the gradient all-reduce.
+    Every worker issues it, before the branch, in the same order.
+    """
+    local = distribution.experimental_local_results(finite)
+    if distribution.num_replicas_in_sync == len(local):
+        return tf.reduce_all(tf.stack(local))
+    # Each local replica's 1.0 if non-finite (any order: it is a sum); no replica threads,
+    # which call_for_each_replica would start inside merge_call.
+    non_finite = distribution.experimental_distribute_values_from_function(
+        lambda value_context: 1.0 - tf.cast(
+            local[value_context.replica_id_in_sync_group % len(local)], tf.float32))
+    return tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, non_finite, axis=None), 0.0)
