@@ -183,7 +183,8 @@ show_code(workers.run_script)
 #   distgrad's two accumulators add one all-reduce of a single float per update on several
 #   workers: they check that every replica's gradients are finite before applying, and a
 #   worker sees only its own replicas' flags; summed over workers, every worker decides
-#   alike (else one that skips would leave the others waiting in the gradient all-reduce).
+#   alike (the [Recipes](../recipes.md#keras3-mixed-workers) test overflows one worker's
+#   micro-batch: both skip it).
 #   Counted in their traced functions (`AccumulatingOptimizer`'s all-reduces sit in the
 #   branch of its micro-step that updates, run once every k):
 

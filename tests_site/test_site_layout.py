@@ -16,10 +16,11 @@ VIEWPORT = {"width": 1280, "height": 800}
 LESSONS = lesson_names()
 MIN_DIAGRAM_TEXT_PX = 12
 LINE_LENGTH = 100  # the project's (pyproject.toml, [tool.ruff])
+# Every page's path below the site root ("" is the home page).
 PAGES = sorted(
-    str(p.parent.relative_to(SITE)).replace(".", "") + "/" if p.parent != SITE else ""
+    f"{p.parent.relative_to(SITE)}/" if p.parent != SITE else ""
     for p in SITE.rglob("index.html")
-    if "assets" not in p.parts and p.parent.name != "404"
+    if "assets" not in p.parts
 ) if SITE.is_dir() else []
 # TeX a reader must never see as text: control words and $...$ spans around them.
 RAW_TEX = re.compile(r"\\(?:frac|sum|sqrt|cdot|times|text|mathrm|mathbf|left|right|approx|le|ge)\b|\$\$")
