@@ -87,9 +87,9 @@ unit: install
 LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   $(EXECUTED)/05_accumulate_in_train_step.ipynb tests/test_benchmarks.py \
   $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_train_step.py \
-  tests/test_user_paths.py tests/test_fix_cells.py \
-  tests/test_optimizer.py \
-  $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py \
+  tests/test_user_paths.py tests/test_fix_cells.py tests/test_backup_and_restore.py \
+  $(EXECUTED)/08_preemption_and_resume.ipynb tests/test_optimizer.py \
+  $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py tests/test_preemption.py \
   $(EXECUTED)/06_multi_worker.ipynb tests/test_non_finite.py tests/test_accumulator.py \
   $(EXECUTED)/01_where_gradients_sync.ipynb tests/test_epoch_ends.py tests/test_mixed_precision.py \
   tests/test_tf_keras_optimizer.py tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py \

@@ -11,6 +11,9 @@ the standard library (copy one into your project and it works alone):
   k micro-batches inside one `fit` step;
 * `AccumulationCallback` (`distgrad/callbacks.py`): in `fit`, flush or discard an
   `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates;
+* `BackupAndRestore` (`distgrad/callbacks.py`): `keras.callbacks.BackupAndRestore` that
+  resumes an interrupted `fit` where its backup was taken (mid-epoch, mid-cycle), where
+  Keras 3's trains the interrupted epoch again;
 * `MultiWorkerFit`, `MultiWorkerFitModel` (`distgrad/multi_worker.py`): `model.fit` on a
   multi-worker `MultiWorkerMirroredStrategy`, where stock Keras 3 fails;
 * `distgrad.tf_keras.AccumulatingOptimizer` (`distgrad/tf_keras/optimizer.py`, TensorFlow
@@ -37,6 +40,7 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "AccumulatingOptimizer": "distgrad.optimizer",
     "AccumulationCallback": "distgrad.callbacks",
+    "BackupAndRestore": "distgrad.callbacks",
     "GradientAccumulator": "distgrad.accumulator",
     "MicroBatching": "distgrad.train_step",
     "MicroBatchingModel": "distgrad.train_step",

@@ -1,21 +1,35 @@
-"""`AccumulationCallback`: what `model.fit` does with an incomplete cycle at an epoch's end.
+"""Callbacks for `model.fit`: the incomplete cycle at an epoch's end, and exact resume.
 
     model.fit(x, y, epochs=3, callbacks=[AccumulationCallback("flush")])
+    model.fit(dataset, epochs=3, callbacks=[BackupAndRestore("/backup", save_freq=50)])
+
+`AccumulationCallback`:
 
 An epoch of n micro-batches leaves n mod k of them accumulated and not applied. By
 default they stay (the optimizer carries them into the next epoch, whose first
 micro-batches complete the cycle); this callback can apply them (`flush`) or drop them
 (`discard`), and puts the optimizer's `skipped_updates` into the epoch's logs.
 
-This file imports only Keras and the standard library: copy it into a project and use it
-alone. It drives any optimizer with `flush()`, `discard()` and `skipped_updates`
-(distgrad's `AccumulatingOptimizer`), also inside a `LossScaleOptimizer`. In a custom
-loop, call `optimizer.flush()` or `optimizer.discard()` yourself after the epoch.
+`BackupAndRestore` (below `AccumulationCallback`) replaces
+`keras.callbacks.BackupAndRestore`, which resumes an interrupted epoch from its first
+batch (see its docstring).
+
+This file imports only TensorFlow, Keras and the standard library: copy it into a project
+and use it alone. `AccumulationCallback` drives any optimizer with `flush()`, `discard()`
+and `skipped_updates` (distgrad's `AccumulatingOptimizer`), also inside a
+`LossScaleOptimizer`. In a custom loop, call `optimizer.flush()` or `optimizer.discard()`
+yourself after the epoch.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import warnings
+
 import keras
+import tensorflow as tf
 
 INCOMPLETE_CYCLE_ACTIONS = ("carry", "flush", "discard")
 
@@ -89,3 +103,411 @@ class AccumulationCallback(keras.callbacks.Callback):
         wrapper = self.model.optimizer
         if wrapper is not optimizer and hasattr(wrapper, "skipped_steps"):
             logs["skipped_micro_batches"] = _count(getattr(wrapper, "skipped_steps", None))
+
+
+# ---------------------------------------------------------------------------------------
+# BackupAndRestore
+# ---------------------------------------------------------------------------------------
+
+WEIGHTS_FILE = "latest.weights.h5"  # the names keras.callbacks.BackupAndRestore uses
+METADATA_FILE = "training_metadata.json"
+# A backup is written to these first, then renamed over the two files above: weights
+# first, metadata last, so a process killed mid-write leaves the previous backup whole.
+PENDING_WEIGHTS_FILE = "pending.weights.h5"
+PENDING_METADATA_FILE = "pending_metadata.json"
+FORMAT = "distgrad.BackupAndRestore/1"
+
+SHUFFLE_OPS = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
+               "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
+DATA_ORDER_FIX = (
+    "To resume exactly, the data must come in the same order when fit starts again: pass "
+    "fit(..., shuffle=False) and shuffle once yourself with a seed, or a tf.data.Dataset "
+    "shuffled with dataset.shuffle(buffer_size, seed=SEED, reshuffle_each_iteration=False) "
+    "(or .shuffle(buffer_size, seed=SEED).repeat() with fit(steps_per_epoch=...), one "
+    "iterator for all epochs).")
+
+
+def _fit_epoch_iterator():
+    """The `epoch_iterator` of the `fit` call running this callback (Keras' TensorFlow
+    trainer, `keras/src/backend/tensorflow/trainer.py`), or None. Keras hands callbacks
+    neither the data nor its position; this is the one object that holds both."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("epoch_iterator")
+        if frame.f_code.co_name == "fit" and hasattr(candidate, "data_adapter"):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _dataset_shuffles(dataset) -> list[str]:
+    """What makes `dataset`'s order change from one iterator to the next: one line per
+    shuffle op of its graph that has no seed, or reshuffles each iteration."""
+    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())
+    constants = {node.name: node for node in graph.node if node.op == "Const"}
+    found = []
+    for node in graph.node:
+        if node.op not in SHUFFLE_OPS:
+            continue
+        seeds = []
+        for name in node.input[2:4]:  # (input_dataset, buffer_size, seed, seed2, ...)
+            constant = constants.get(name.split(":")[0].lstrip("^"))
+            seeds.append(None if constant is None
+                         else tf.make_ndarray(constant.attr["value"].tensor).item())
+        if seeds == [0, 0]:
+            found.append(f"{node.op} without a seed (a new order in every process)")
+        elif node.attr["reshuffle_each_iteration"].b:
+            found.append(f"{node.op} with reshuffle_each_iteration=True (a new order in every "
+                         "epoch, restarting from the first epoch's in a new process)")
+    return found
+
+
+def _unreproducible_order(epoch_iterator) -> tuple[str, bool]:
+    """Why the data of this fit may come in another order when it starts again, and
+    whether that is certain (True) or only cannot be ruled out (False); ("", True) when
+    the order repeats."""
+    if epoch_iterator is None:
+        why = ("BackupAndRestore could not find fit's data (not Keras 3's TensorFlow fit?), "
+               "so it cannot check that the data comes in the same order again")
+        return why, False
+    adapter = epoch_iterator.data_adapter
+    kind = type(adapter).__name__
+    if kind == "ArrayDataAdapter":
+        shuffle = getattr(adapter, "_shuffle", False)
+        if not shuffle:
+            return "", True
+        return f"fit(shuffle={shuffle!r}) shuffles the arrays anew in every epoch", True
+    if kind == "PyDatasetAdapter":
+        if not getattr(adapter, "shuffle", False):
+            return "", True
+        return "fit(shuffle=True) shuffles the PyDataset's batches anew in every epoch", True
+    if kind == "TFDatasetAdapter":
+        dataset = getattr(adapter, "_dataset", None)
+        if not isinstance(dataset, tf.data.Dataset):
+            return "the order of a distributed dataset cannot be inspected", False
+        shuffles = _dataset_shuffles(dataset)
+        if not shuffles:
+            return "", True
+        return "the tf.data.Dataset has " + "; ".join(shuffles), True
+    source = {"GeneratorDataAdapter": "Python generator", "TorchDataLoaderAdapter":
+              "torch DataLoader", "GrainDatasetAdapter": "Grain dataset"}.get(kind, kind)
+    why = (f"the order of a {source} cannot be inspected; a resumed fit skips as many "
+           "batches of it as were trained, which is right only if it yields the same "
+           "batches in the same order again")
+    return why, False
+
+
+def _is_multi_worker(strategy) -> bool:
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """`keras.callbacks.BackupAndRestore` that resumes where the backup was taken.
+
+        callback = BackupAndRestore("/backup/run-1", save_freq=50)
+        model.fit(dataset, epochs=10, callbacks=[callback])  # again after a preemption
+
+    Keras 3's callback writes the epoch *and* the batch, but restores only the epoch
+    (`keras/src/callbacks/backup_and_restore.py`, `_load_model`): an interrupted epoch
+    restarts from its first batch, with the weights and optimizer state of its last
+    backup, so it trains again on the batches already in those weights, and takes their
+    updates twice. This one restores the model, the optimizer (slots, `iterations`, an
+    `AccumulatingOptimizer`'s accumulators and `micro_steps`, a loss scale), the epoch,
+    the metrics of the epoch so far, and the position in the data: the batches of the
+    interrupted epoch that the backup holds are read and dropped, not trained again. A
+    `fit` interrupted anywhere and run again with the same arguments ends with the
+    weights, `iterations` and epoch logs of the uninterrupted one.
+
+    Args (those of `keras.callbacks.BackupAndRestore`):
+        backup_dir: directory of the backup, used by nothing else. On several workers
+            every worker must see the chief's files (a shared file system); the chief
+            writes them, the others write to `backup_dir/workertemp_<task id>` and
+            delete it, as tf-keras does.
+        save_freq: "epoch" (at each epoch's end) or an integer n (every n batches,
+            counted across epochs). `False` is refused: Keras keeps it for tf-keras'
+            preemption saving, which Keras 3 does not have.
+        double_checkpoint: also keep the previous backup (`*.bkp`), restored when the
+            latest cannot be read.
+        delete_checkpoint: delete the backup when `fit` ends normally.
+
+    Exact resume needs the data in the same order when `fit` starts again. At `fit`
+    start it checks (even with no backup yet, so that the first run learns it): with
+    `save_freq=n` it raises `ValueError` if the order cannot repeat (`fit(shuffle=True)`
+    over arrays or a `PyDataset`, a `tf.data` shuffle without a seed or one that
+    reshuffles each iteration: Keras makes a new iterator per epoch, and a new process
+    starts the reshuffling over), and warns where it cannot see the order (a generator,
+    a distributed dataset); with `save_freq="epoch"` it only warns, since whole epochs
+    resume without a batch lost or repeated. What it does not restore: a `Dropout`
+    layer's seed generator state (a layer variable, not one of the weights
+    `save_weights` writes: the restart draws other masks), and other callbacks' state
+    (`ReduceLROnPlateau`, `EarlyStopping`).
+
+    Files: `latest.weights.h5` (`model.save_weights`: model and optimizer variables)
+    and `training_metadata.json` (`epoch`, `batch` as Keras writes them, and the
+    position in the data, the metric totals and the batch count per epoch). Each backup
+    goes to `pending.*` files first, renamed over these after both are written: a
+    process killed while writing leaves the previous backup whole.
+
+    Raises:
+        ValueError: an empty `backup_dir`, a bad `save_freq`; (at `fit` start) data
+            whose order cannot repeat with `save_freq=n`; an unbuilt model; a backup
+            whose epochs had another number of batches than this `fit` (other data or
+            batch size); a backup of another model (Keras' own message).
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
+                 delete_checkpoint=True):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("Empty `backup_dir` argument passed")
+        if save_freq != "epoch" and (isinstance(save_freq, bool)
+                                     or not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(
+                f"save_freq must be 'epoch' or an integer >= 1 (batches between backups), "
+                f"got {save_freq!r}. (save_freq=False is tf-keras' preemption saving, "
+                "which Keras 3 does not have.)")
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.double_checkpoint = double_checkpoint
+        self.delete_checkpoint = delete_checkpoint
+
+    # -- paths and roles ------------------------------------------------------------------
+
+    def _path(self, name: str, directory: str | None = None) -> str:
+        return os.path.join(directory or self.backup_dir, name)
+
+    def _strategy(self):
+        return self.model.distribute_strategy
+
+    def _write_dir(self) -> str:
+        """The chief writes the backup; other workers write a throwaway copy, since reading
+        replica-local variables (accumulators) is a collective every worker must join."""
+        strategy = self._strategy()
+        if not _is_multi_worker(strategy) or strategy.extended.should_checkpoint:
+            return self.backup_dir
+        return self._path(f"workertemp_{strategy.cluster_resolver.task_id}")
+
+    # -- fit hooks --------------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._epoch_iterator = _fit_epoch_iterator()
+        self._check_data_order()
+        self._epoch = 0
+        self._batches_done = 0  # of the current epoch
+        self._since_backup = 0
+        self._real_train_function = None
+        self._resume = self._restore()
+        if self._resume is not None:
+            self.model._initial_epoch = self._resume["epoch"]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch, self._batches_done = epoch, 0
+        resume = self._resume
+        if resume is not None and epoch == resume["epoch"]:
+            self._restore_metrics(resume["metrics"])  # fit has just reset them
+
+    def on_train_batch_begin(self, batch, logs=None):
+        resume = self._resume
+        if resume is None:
+            return
+        if self._real_train_function is None:
+            self._real_train_function = self.model.train_function
+        train = self._real_train_function
+        # Batches earlier epochs read from the same iterator (fit(steps_per_epoch=...)
+        # over a repeated dataset): read and dropped with the first step.
+        earlier, resume["earlier_batches"] = resume["earlier_batches"], 0
+        if batch < resume["batch"]:  # trained before the backup: read the data, drop it
+            count = earlier + self.model.steps_per_execution
+
+            def skip(iterator):
+                self._read_batches(iterator, count)
+                return self.model.get_metrics_result()  # the epoch's logs so far, restored
+
+            self.model.train_function = skip
+            return
+        self._end_resume()
+        if earlier:
+            def read_earlier_then_train(iterator):
+                self._read_batches(iterator, earlier)
+                self.model.train_function = train
+                return train(iterator)
+
+            self.model.train_function = read_earlier_then_train
+
+    def _end_resume(self) -> None:
+        if self._real_train_function is not None:
+            self.model.train_function = self._real_train_function
+        self._resume, self._real_train_function = None, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1  # `batch` is the last batch of the step (steps_per_execution)
+        if self._resume is not None:  # a batch read and dropped: the weights hold more
+            self._batches_done = done  # than `done` batches, so no backup here
+            return
+        self._since_backup += done - self._batches_done
+        self._batches_done = done
+        if self.save_freq != "epoch" and self._since_backup >= self.save_freq:
+            self._backup(epoch=self._epoch, batch=done)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._end_resume()  # a backup after the epoch's last batch resumes into its end
+        if self.save_freq == "epoch":
+            self._backup(epoch=epoch + 1, batch=0)
+
+    def on_train_end(self, logs=None):
+        self._end_resume()
+        self.model._initial_epoch = None  # a later fit of this model starts where told
+        if (self.delete_checkpoint and self._write_dir() == self.backup_dir
+                and tf.io.gfile.exists(self.backup_dir)):
+            tf.io.gfile.rmtree(self.backup_dir)
+
+    # -- data -------------------------------------------------------------------------------
+
+    def _check_data_order(self):
+        why, certain = _unreproducible_order(self._epoch_iterator)
+        if not why:
+            return
+        if self.save_freq != "epoch" and certain:
+            raise ValueError(
+                f"BackupAndRestore(save_freq={self.save_freq}) resumes mid-epoch by skipping "
+                f"the batches already trained, but {why}: the resumed epoch would train "
+                f"again on some examples and never on others. {DATA_ORDER_FIX} Or back up "
+                "at epoch ends only: save_freq='epoch'.")
+        warnings.warn(f"BackupAndRestore: {why}: a resumed fit may not equal an "
+                      f"uninterrupted one. {DATA_ORDER_FIX}", UserWarning, stacklevel=2)
+
+    def _batches_from_iterator(self, batches_done: int) -> int:
+        """Batches read from the data iterator fit reads now: the current epoch's, and with
+        `fit(steps_per_epoch=...)` (one iterator for all epochs) earlier epochs' too."""
+        iterator = self._epoch_iterator
+        if iterator is None or iterator.steps_per_epoch is None:
+            return batches_done  # Keras makes a new iterator for every epoch
+        if not hasattr(iterator, "_steps_seen"):
+            raise RuntimeError(
+                "BackupAndRestore cannot tell how far fit(steps_per_epoch=...) has read its "
+                f"data in Keras {keras.__version__} (no EpochIterator._steps_seen): back up "
+                "at epoch ends (save_freq='epoch') without steps_per_epoch.")
+        return int(iterator._steps_seen)
+
+    @staticmethod
+    def _read_batches(iterator, count: int) -> None:
+        for _ in range(count):
+            next(iterator)
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    def _metric_totals(self) -> list:
+        return [v.numpy().tolist() for v in self.model.metrics_variables]
+
+    def _restore_metrics(self, totals) -> None:
+        variables = self.model.metrics_variables
+        if totals is None or len(totals) != len(variables):
+            return  # the epoch's logs then average the batches after the resume only
+        for variable, value in zip(variables, totals):
+            variable.assign(tf.cast(value, variable.dtype))
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _backup(self, epoch: int, batch: int) -> None:
+        self._since_backup = 0
+        directory = self._write_dir()
+        chief = directory == self.backup_dir
+        tf.io.gfile.makedirs(directory)
+        if chief:
+            self._finish_interrupted_commit()
+        metadata = {
+            "epoch": epoch,
+            "batch": max(batch - 1, 0),  # keras.callbacks.BackupAndRestore's meaning
+            "format": FORMAT,
+            "batches_done": batch,  # of `epoch`, in the backup's weights
+            "batches_from_iterator": self._batches_from_iterator(batch),
+            "batches_per_epoch": self._batches_per_epoch(),
+            "metrics": self._metric_totals() if batch else None,
+        }
+        self.model.save_weights(self._path(PENDING_WEIGHTS_FILE, directory), overwrite=True)
+        with tf.io.gfile.GFile(self._path(PENDING_METADATA_FILE, directory), "w") as file:
+            file.write(json.dumps(metadata))
+        if not chief:  # another worker: it wrote only to join the collectives of the reads
+            tf.io.gfile.rmtree(directory)
+            return
+        if self.double_checkpoint:
+            for name in (WEIGHTS_FILE, METADATA_FILE):
+                if tf.io.gfile.exists(self._path(name)):
+                    tf.io.gfile.copy(self._path(name), self._path(name) + ".bkp", overwrite=True)
+        tf.io.gfile.rename(self._path(PENDING_WEIGHTS_FILE), self._path(WEIGHTS_FILE),
+                           overwrite=True)
+        tf.io.gfile.rename(self._path(PENDING_METADATA_FILE), self._path(METADATA_FILE),
+                           overwrite=True)
+
+    def _batches_per_epoch(self):
+        iterator = self._epoch_iterator
+        return None if iterator is None else iterator.num_batches
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _interrupted_commit(self) -> bool:
+        """True if a backup was killed between its two renames: its weights are in
+        place, its metadata still pending. (Pending weights: killed before that.)"""
+        return (tf.io.gfile.exists(self._path(PENDING_METADATA_FILE))
+                and not tf.io.gfile.exists(self._path(PENDING_WEIGHTS_FILE)))
+
+    def _finish_interrupted_commit(self) -> None:
+        """The chief, before its next backup (every worker has read the backup by then):
+        complete a commit that was cut short, or drop the pending files of one that was
+        killed before its first rename."""
+        if self._interrupted_commit():
+            tf.io.gfile.rename(self._path(PENDING_METADATA_FILE), self._path(METADATA_FILE),
+                               overwrite=True)
+        for name in (PENDING_WEIGHTS_FILE, PENDING_METADATA_FILE):
+            if tf.io.gfile.exists(self._path(name)):
+                tf.io.gfile.remove(self._path(name))
+
+    def _restore(self):
+        """Load the backup, if any, into the model; return where fit resumes, or None.
+        Every worker reads the same files and writes nothing."""
+        if not self.model.built:
+            raise ValueError(
+                "To use the BackupAndRestore callback, the model must be built before you "
+                f"call fit(). Model {self.model.name} is unbuilt: build it with keras.Input "
+                "or by calling it on a batch of data.")
+        weights, metadata = self._path(WEIGHTS_FILE), self._path(METADATA_FILE)
+        if not tf.io.gfile.exists(weights):
+            return None
+        if self._interrupted_commit():
+            metadata = self._path(PENDING_METADATA_FILE)
+        optimizer = self.model.optimizer
+        with self._strategy().scope():
+            if optimizer is not None and not optimizer.built:
+                optimizer.build(self.model.trainable_variables)  # its variables, to load into
+            try:
+                self.model.load_weights(weights)
+            except OSError:
+                if not (self.double_checkpoint and tf.io.gfile.exists(weights + ".bkp")):
+                    raise
+                self.model.load_weights(weights + ".bkp")
+                metadata = self._path(METADATA_FILE) + ".bkp"
+        with tf.io.gfile.GFile(metadata) as file:
+            return self._resume_point(json.loads(file.read()))
+
+    def _resume_point(self, metadata: dict) -> dict:
+        if metadata.get("format") != FORMAT:  # written by keras.callbacks.BackupAndRestore
+            if metadata.get("batch"):
+                warnings.warn(
+                    f"BackupAndRestore: {self.backup_dir} was written by "
+                    "keras.callbacks.BackupAndRestore, which does not record how many "
+                    f"batches its weights hold: epoch {metadata['epoch']} restarts from its "
+                    "first batch, as Keras does.", UserWarning, stacklevel=3)
+            return {"epoch": metadata["epoch"], "batch": 0, "earlier_batches": 0,
+                    "metrics": None}
+        expected, found = metadata["batches_per_epoch"], self._batches_per_epoch()
+        if expected is not None and found is not None and expected != found:
+            raise ValueError(
+                f"BackupAndRestore: the backup in {self.backup_dir} was taken with "
+                f"{expected} batches per epoch, this fit has {found}: other data, batch size "
+                "or steps_per_epoch. Resume with the same fit arguments, or delete the "
+                "backup directory to start over.")
+        batch = metadata["batches_done"]
+        return {"epoch": metadata["epoch"], "batch": batch,
+                "earlier_batches": metadata["batches_from_iterator"] - batch,
+                "metrics": metadata["metrics"]}

@@ -1,0 +1,324 @@
+"""`distgrad.callbacks.BackupAndRestore`: an interrupted `fit`, run again, equals one that was
+never interrupted; Keras 3's own callback replays the interrupted epoch.
+
+Lesson 08 runs (and asserts) what is not repeated here: the restart of a 2-worker cluster
+after a SIGKILL, the bytes a mid-cycle backup holds, tf-keras' resume on other batches.
+
+The runs (`distgrad.lab.backup`): 2 epochs of 8 global batches of 8 examples, a `tf.data`
+pipeline, 2 replicas (`MirroredStrategy` on logical CPUs, or 2 worker processes);
+"accumulating" is `AccumulatingOptimizer(Adam, 3)`, so a cycle straddles each epoch's end.
+An interruption is `Preempted` raised after `cut` batches (counted across epochs), or a
+real SIGKILL of the process; the job then starts again with a fresh model and the same
+`fit` call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from distgrad.callbacks import (
+    METADATA_FILE,
+    PENDING_METADATA_FILE,
+    PENDING_WEIGHTS_FILE,
+    BackupAndRestore,
+)
+from distgrad.lab import backup
+from distgrad.lab.child import run_child
+
+
+def assert_same_run(got, expected):
+    """Equal updates and micro-batches, weights to float32 rounding, equal epoch logs."""
+    assert (got.updates, got.micro_steps, got.loss_scale) == (
+        expected.updates, expected.micro_steps, expected.loss_scale)
+    for a, b in zip(got.weights, expected.weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    epochs = len(got.history["loss"])  # a resumed fit logs the epochs it ran
+    for name, values in got.history.items():
+        np.testing.assert_allclose(values, expected.history[name][-epochs:], rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def references(strategy2, tmp_path_factory):
+    """Uninterrupted runs, per (kind, save_freq, steps_per_epoch)."""
+    cache = {}
+
+    def reference(kind="accumulating", save_freq=3, steps_per_epoch=None, data=None):
+        key = (kind, save_freq, steps_per_epoch, data is not None)
+        if key not in cache:
+            cache[key] = backup.one_fit(strategy2, str(tmp_path_factory.mktemp("ref")), kind=kind,
+                                        save_freq=save_freq, steps_per_epoch=steps_per_epoch,
+                                        data=data)
+        return cache[key]
+
+    return reference
+
+
+# ------------------------------------------------------------------ Keras 3's own callback
+
+@pytest.mark.parametrize("kind, cut, save_freq, updates, expected_updates", [
+    ("adam", 6, 3, 22, 16),  # backup after batch 6: epoch 0 runs its 6 batches again
+    ("accumulating", 6, 3, 7, 5),
+    ("accumulating", 10, 4, 8, 5),  # backup after 8 + ... : epoch 1 replays from batch 0
+])
+def test_keras_backup_and_restore_replays_the_interrupted_epoch(
+        strategy2, references, tmp_path, kind, cut, save_freq, updates, expected_updates):
+    expected = references(kind, save_freq)
+    got = backup.interrupted_fit(strategy2, str(tmp_path), cut, kind=kind, callback="keras",
+                                 save_freq=save_freq)
+    assert (expected.updates, got.updates) == (expected_updates, updates)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got.weights, expected.weights)) > 1e-3
+
+
+def test_keras_writes_the_batch_and_restores_only_the_epoch(strategy2, tmp_path):
+    with pytest.raises(backup.Preempted):
+        backup.one_fit(strategy2, str(tmp_path), kind="adam", callback="keras", save_freq=3,
+                       stop=backup.Interrupt(6))
+    assert json.loads((tmp_path / METADATA_FILE).read_text()) == {"epoch": 0, "batch": 5}
+
+
+def test_keras_backs_up_a_resumed_epoch_as_epoch_0(strategy2, tmp_path):
+    """A second interruption (docs/upstream.md): a new Keras callback counts epochs from 0
+    until its first epoch ends, so its backups inside resumed epoch 1 say epoch 0."""
+    with pytest.raises(backup.Preempted):  # backup after 9 batches: epoch 1, batch index 0
+        backup.one_fit(strategy2, str(tmp_path), kind="adam", callback="keras",
+                       stop=backup.Interrupt(10))
+    assert json.loads((tmp_path / METADATA_FILE).read_text()) == {"epoch": 1, "batch": 0}
+    with pytest.raises(backup.Preempted):  # resumes epoch 1 at batch 0; backup after 3
+        backup.one_fit(strategy2, str(tmp_path), kind="adam", callback="keras",
+                       stop=backup.Interrupt(4))
+    assert json.loads((tmp_path / METADATA_FILE).read_text()) == {"epoch": 0, "batch": 2}
+
+
+# ------------------------------------------------------------------ distgrad's callback
+
+class KeepEveryBackup(keras.callbacks.Callback):
+    """After each batch, copy the backup directory: with `save_freq=1` the copy after batch
+    n is what a job interrupted after batch n leaves behind."""
+
+    def __init__(self, backup_dir, copies):
+        super().__init__()
+        self.backup_dir, self.copies, self.seen = backup_dir, copies, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        shutil.copytree(self.backup_dir, os.path.join(self.copies, f"cut{self.seen}"))
+
+
+def test_an_interrupted_fit_resumes_exactly_at_every_cut_point(strategy2, references, tmp_path):
+    """Every batch of both epochs: mid-cycle, right after an update, at the epoch's end with
+    a cycle carried over into the next, after the very last batch (cut 15 of 16)."""
+    live, copies = str(tmp_path / "live"), str(tmp_path / "copies")
+    backup.one_fit(strategy2, live, save_freq=1, stop=KeepEveryBackup(live, copies))
+    expected = references("accumulating", 1)
+    for cut in range(1, backup.EPOCHS * backup.BATCHES):
+        assert_same_run(backup.one_fit(strategy2, os.path.join(copies, f"cut{cut}"),
+                                       save_freq=1), expected)
+
+
+@pytest.mark.parametrize("cut", [2, 8, 13])  # before the 1st backup; epoch 0's end; epoch 1
+def test_batches_after_the_last_backup_are_trained_again_once(strategy2, references, tmp_path,
+                                                               cut):
+    assert_same_run(backup.interrupted_fit(strategy2, str(tmp_path), cut, save_freq=3),
+                    references("accumulating", 3))
+
+
+@pytest.mark.parametrize("kind, cut, save_freq, steps_per_epoch", [
+    ("adam", 6, 3, None),  # the issue's case: Keras 3 makes 22 updates of 16
+    ("micro_batching", 5, 2, None),
+    ("mixed", 10, 4, None),  # loss scale and skipped micro-batch restored
+    ("accumulating", 11, 3, backup.BATCHES),  # steps_per_epoch: one iterator for all epochs
+    ("accumulating", 8, "epoch", None),
+])
+def test_every_kind_resumes_exactly(strategy2, references, tmp_path, kind, cut, save_freq,
+                                    steps_per_epoch):
+    expected = references(kind, save_freq, steps_per_epoch)
+    got = backup.interrupted_fit(strategy2, str(tmp_path), cut, kind=kind, save_freq=save_freq,
+                                 steps_per_epoch=steps_per_epoch)
+    assert_same_run(got, expected)
+
+
+def test_a_seeded_dropout_layer_does_not_resume_exactly(strategy2, references, tmp_path):
+    """A limit: the Dropout layer's seed generator state is a layer variable but not one of
+    the model's weights, so `save_weights` leaves it out; the restart draws other masks."""
+    model = backup.build(strategy2, "dropout")
+    assert [v.path for v in model.layers[1].variables] == ["seed_generator/seed_generator_state"]
+    assert not model.layers[1].weights
+    expected = references("dropout", 3)
+    got = backup.interrupted_fit(strategy2, str(tmp_path), 10, kind="dropout")
+    assert got.updates == expected.updates == 5
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got.weights, expected.weights)) > 1e-3
+
+
+def test_a_seeded_shuffle_that_does_not_reshuffle_resumes_exactly(strategy2, references,
+                                                                   tmp_path):
+    data = backup.dataset(shuffle_seed=7)
+    expected = references("accumulating", 3, data=data)
+    got = backup.interrupted_fit(strategy2, str(tmp_path), 11, data=data)
+    assert_same_run(got, expected)
+    assert expected.weights[0].tolist() != references("accumulating", 3).weights[0].tolist()
+
+
+def stopped_at_each(strategy, directory, cuts) -> tuple[int, int]:
+    """Start the job once per cut, each start stopped after that many batches (read and
+    dropped ones included); the (epoch, batches done) of the backup left behind."""
+    for cut in cuts:
+        with pytest.raises(backup.Preempted):
+            backup.one_fit(strategy, str(directory), stop=backup.Interrupt(cut))
+    metadata = json.loads((directory / METADATA_FILE).read_text())
+    return metadata["epoch"], metadata["batches_done"]
+
+
+def test_a_fit_interrupted_twice_resumes_exactly(strategy2, references, tmp_path):
+    """The second interruption falls in epoch 1 of the resumed fit: its backups must say
+    epoch 1 (Keras 3's own callback writes epoch 0 there: it counts from 0 again)."""
+    # After 5 batches (backup: 3); then 11 batches, 3 of them read and dropped: the restart
+    # stops after batch 2 of epoch 1, its last backup after 9 batches, batch 1 of epoch 1.
+    assert stopped_at_each(strategy2, tmp_path, (5, 11)) == (1, 1)
+    assert_same_run(backup.one_fit(strategy2, str(tmp_path)), references("accumulating", 3))
+
+
+def test_no_backup_is_taken_while_the_backed_up_batches_are_skipped(strategy2, references,
+                                                                    tmp_path):
+    """The backup after batch 12 holds batch 4 of epoch 1. Its restart reads and drops
+    batches 0-3 of epoch 1 and is interrupted there: a backup taken while dropping would
+    record 3 batches for weights that hold 4, and the third start would train batch 3 twice.
+    """
+    assert stopped_at_each(strategy2, tmp_path, (13, 4)) == (1, 4)
+    assert_same_run(backup.one_fit(strategy2, str(tmp_path)), references("accumulating", 3))
+
+
+def test_the_backup_is_deleted_when_fit_ends(strategy2, tmp_path):
+    backup.one_fit(strategy2, str(tmp_path / "b"))
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_fresh_process_killed_mid_cycle_resumes_exactly(references, tmp_path):
+    """A real fault: the first process SIGKILLs itself after batch 10 (last backup: 9)."""
+    options = {"backup_dir": str(tmp_path), "kind": "accumulating", "save_freq": 3}
+    killed = run_child("distgrad.lab.backup:fit_in_child", {**options, "kill_after": 10},
+                       timeout=240, check=False)
+    assert killed.returncode == -9 and not killed.ok
+    metadata = json.loads((tmp_path / METADATA_FILE).read_text())
+    assert (metadata["epoch"], metadata["batches_done"]) == (1, 1)  # 9 = 8 + 1 batches
+    resumed = run_child("distgrad.lab.backup:fit_in_child", options, timeout=240).value
+    assert_same_run(backup.FitResult(**resumed), references("accumulating", 3))
+
+
+# ------------------------------------------------------------------ data it cannot resume
+
+def _fit_arrays(strategy, tmp_path, save_freq, **fit_options):
+    model = backup.build(strategy, "adam")
+    x, y = backup.examples()
+    model.fit(x, y, batch_size=backup.GLOBAL_BATCH, verbose=0,
+              callbacks=[BackupAndRestore(str(tmp_path), save_freq=save_freq)], **fit_options)
+    return model
+
+
+@pytest.mark.parametrize("make_data, fragment", [
+    (lambda: tf.random.set_seed(None) or backup.dataset().unbatch().shuffle(64).batch(8),
+     "ShuffleDatasetV3 without a seed"),  # (an earlier test's global seed would seed it)
+    (lambda: backup.dataset().unbatch().shuffle(64, seed=1).batch(8),
+     "ShuffleDatasetV3 with reshuffle_each_iteration=True"),
+])
+def test_a_dataset_whose_order_cannot_repeat_is_refused_at_fit_start(strategy2, tmp_path,
+                                                                     make_data, fragment):
+    model = backup.build(strategy2, "adam")
+    with pytest.raises(ValueError, match="resumes mid-epoch by skipping") as error:
+        model.fit(make_data(), epochs=2, verbose=0,
+                  callbacks=[BackupAndRestore(str(tmp_path), save_freq=3)])
+    assert fragment in str(error.value) and "reshuffle_each_iteration=False" in str(error.value)
+    assert int(model.optimizer.iterations.numpy()) == 0  # refused before the first step
+
+
+def test_fit_shuffling_arrays_is_refused_mid_epoch_and_warned_at_epoch_ends(strategy2,
+                                                                            tmp_path):
+    with pytest.raises(ValueError, match=r"fit\(shuffle=True\) shuffles the arrays"):
+        _fit_arrays(strategy2, tmp_path / "a", 3)  # Keras' default: shuffle=True
+    with pytest.warns(UserWarning, match=r"fit\(shuffle=True\) shuffles the arrays"):
+        _fit_arrays(strategy2, tmp_path / "b", "epoch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (Keras' save_weights: DeprecationWarning)
+        _fit_arrays(strategy2, tmp_path / "c", 3, shuffle=False)
+
+
+def test_a_generator_is_warned_about(strategy2, tmp_path):
+    x, y = backup.examples()
+
+    def batches():
+        for i in range(0, len(x), backup.GLOBAL_BATCH):
+            yield x[i:i + backup.GLOBAL_BATCH], y[i:i + backup.GLOBAL_BATCH]
+
+    model = backup.build(strategy2, "adam")
+    with pytest.warns(UserWarning, match="order of a Python generator cannot be inspected"):
+        model.fit(batches(), verbose=0, callbacks=[BackupAndRestore(str(tmp_path), save_freq=3)])
+
+
+def test_other_data_than_the_backup_is_refused(strategy2, tmp_path):
+    with pytest.raises(backup.Preempted):
+        backup.one_fit(strategy2, str(tmp_path), stop=backup.Interrupt(5))
+    with pytest.raises(ValueError, match="taken with 8 batches per epoch, this fit has 4"):
+        backup.one_fit(strategy2, str(tmp_path), data=backup.dataset(batches=4))
+
+
+@pytest.mark.parametrize("save_freq", [False, 0, "batch", 2.5])
+def test_bad_save_freq_names_the_choices(save_freq):
+    with pytest.raises(ValueError, match="save_freq must be 'epoch' or an integer >= 1"):
+        BackupAndRestore("/tmp/unused", save_freq=save_freq)
+
+
+# ------------------------------------------------------------------ the files
+
+def test_a_kill_before_the_first_rename_leaves_the_previous_backup(strategy2, references,
+                                                                   tmp_path, monkeypatch):
+    """Killed at the second backup (after batch 6), its pending files written, before its
+    first rename: the backup of batch 3 stands, and the next fit resumes from it exactly.
+    (Lesson 08 kills it between its two renames.)"""
+    callback = BackupAndRestore(str(tmp_path), save_freq=3)
+    original, rename = callback._backup, tf.io.gfile.rename
+
+    def killed_at_the_rename(*args, **kwargs):
+        raise backup.Preempted("killed while renaming")
+
+    def backup_then_fail(epoch, batch):
+        if batch == 6:
+            monkeypatch.setattr(tf.io.gfile, "rename", killed_at_the_rename)
+        original(epoch, batch)
+
+    callback._backup = backup_then_fail
+    model = backup.build(strategy2)
+    with pytest.raises(backup.Preempted, match="killed while renaming"):
+        model.fit(backup.dataset(), epochs=2, verbose=0, callbacks=[callback], shuffle=False)
+    monkeypatch.undo()
+    assert tf.io.gfile.rename is rename
+    assert json.loads((tmp_path / METADATA_FILE).read_text())["batches_done"] == 3
+    assert (tmp_path / PENDING_WEIGHTS_FILE).exists()
+    assert (tmp_path / PENDING_METADATA_FILE).exists()
+    assert_same_run(backup.one_fit(strategy2, str(tmp_path)), references("accumulating", 3))
+
+
+def test_a_keras_backup_resumes_at_its_epoch_start_with_a_warning(strategy2, tmp_path):
+    with pytest.raises(backup.Preempted):
+        backup.one_fit(strategy2, str(tmp_path), kind="adam", callback="keras",
+                       stop=backup.Interrupt(6))
+    with pytest.warns(UserWarning, match="written by keras.callbacks.BackupAndRestore"):
+        resumed = backup.one_fit(strategy2, str(tmp_path), kind="adam")
+    assert resumed.updates == 22  # what Keras' own callback gives
+
+
+def test_a_resumed_fit_leaves_no_initial_epoch_behind(strategy2, tmp_path):
+    with pytest.raises(backup.Preempted):
+        backup.one_fit(strategy2, str(tmp_path), stop=backup.Interrupt(10))
+    model = backup.build(strategy2)
+    model.fit(backup.dataset(), epochs=2, verbose=0, shuffle=False,
+              callbacks=[BackupAndRestore(str(tmp_path), save_freq=3)])
+    history = model.fit(backup.dataset(), epochs=1, verbose=0, shuffle=False)
+    assert len(history.history["loss"]) == 1 and model._initial_epoch is None
+    assert not os.path.exists(tmp_path)
