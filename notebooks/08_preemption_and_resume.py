@@ -237,8 +237,8 @@ assert model.optimizer.iterations.numpy() == 0  # refused before the first step
 #   masks (`tests/test_backup_and_restore.py` measures it). Other callbacks' state
 #   (`ReduceLROnPlateau`, `EarlyStopping`) is not in the backup either.
 # * **Several workers** need one directory every worker can read (a shared file system or
-#   a bucket): the chief writes the backup, the others write a throwaway copy, since
-#   reading the replica-local accumulators is a collective every worker must join.
+#   a bucket): the chief writes the backup; the other workers write a throwaway copy
+#   next to it and delete it (the deep dive below checks that only the chief's remains).
 # * **The batches since the last backup are lost** and trained again after the restart, as
 #   with any backup: choose `save_freq` by what a backup costs (deep dive below) against
 #   what a lost batch costs.
@@ -264,6 +264,7 @@ started = time.monotonic()
 first = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
                     save_freq=3, collective_timeout=15, kill_after=10)
 failed_after = time.monotonic() - started
+left_behind = sorted(os.listdir(shared))  # worker 1's throwaway copy is gone
 with open(os.path.join(shared, "training_metadata.json")) as file:
     at_restart = json.load(file)
 second = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
@@ -278,6 +279,7 @@ print(f"the first start ended after {failed_after:.0f} s; the backup it left hol
 assert first[1].returncode == -9 and first[0].error["type"] in {"UnavailableError",
                                                                 "DeadlineExceededError"}
 assert (at_restart["epoch"], at_restart["batches_done"]) == (1, 1)  # 9 batches = 8 + 1
+assert left_behind == ["latest.weights.h5", "training_metadata.json"]
 for worker in second:
     resumed = backup.FitResult(**worker.check().value)
     assert resumed.updates == uninterrupted.updates == 5
@@ -562,9 +564,8 @@ print("resumed from the backup of batch 6: equal to the uninterrupted run")
 #   scale), the epoch and the position in the data: `distgrad.callbacks.BackupAndRestore`.
 # * The data must come in the same order at every start: no unseeded shuffle, no reshuffle
 #   per iteration; the callback refuses them at `fit` start.
-# * On several workers, every worker writes (or joins the reads of) the backup, the chief's
-#   copy is the one restored, and a dead peer fails the survivors within the collective
-#   timeout: restart the whole cluster.
+# * On several workers, the chief's backup is the one every worker restores, and a dead
+#   peer fails the survivors within the collective timeout: restart the whole cluster.
 # * In a custom loop, checkpoint the `GradientAccumulator` and a micro-batch count, and
 #   `skip` that many batches when the pipeline is rebuilt: TensorFlow 2.21 cannot
 #   checkpoint a distributed iterator. Under `PreemptionCheckpointHandler`, one all-reduce

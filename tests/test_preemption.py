@@ -20,6 +20,7 @@ import pytest
 
 from distgrad.lab import preemption
 from distgrad.lab.child import run_child
+from distgrad.lab.compare import weight_diff
 from distgrad.lab.preemption import (
     ACCUMULATION_STEPS,
     MICRO_STEPS,
@@ -42,11 +43,6 @@ def assert_weights_equal(actual, expected):
     assert len(actual) == len(expected) == 4
     for a, e in zip(actual, expected):
         np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
-
-
-def max_abs_diff(actual, expected) -> float:
-    return max(float(np.max(np.abs(np.subtract(a, e, dtype=np.float64))))
-               for a, e in zip(actual, expected))
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +127,7 @@ def test_resuming_without_the_accumulator_loses_the_accumulated_micro_batch(resu
                      {"workdir": workdir, "phase": "rest", "without_accumulator": True}).value
     assert rest["restored"] == {"iterations": 1, "micro_steps": 0, "micro_batches": SPLIT}
     weights = load_weights(rest["weights_file"])
-    assert max_abs_diff(weights, reports["first"]["weights"]) > 1e-4
+    assert weight_diff(weights, reports["first"]["weights"]).max_abs > 1e-4
 
 
 # ------------------------------------------------------- a 2-worker cluster (MWMS)

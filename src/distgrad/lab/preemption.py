@@ -671,11 +671,6 @@ def uninterrupted_cluster(workdir: str | None = None, num_workers: int = 2) -> d
             "workers": [r.value for r in run.results], "seconds": run.attempts[0].seconds}
 
 
-def _max_abs_diff(actual, expected) -> float:
-    return max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64))))
-               for a, e in zip(actual, expected, strict=True))
-
-
 def preemption_experiment(kind: str = "SIGKILL", workdir: str | None = None,
                           uninterrupted: list | None = None, reference: list | None = None,
                           num_workers: int = 2) -> dict:
@@ -721,14 +716,16 @@ def preemption_experiment(kind: str = "SIGKILL", workdir: str | None = None,
         uninterrupted = uninterrupted_cluster(num_workers=num_workers)["weights"]
     if reference is None:
         reference = reference_weights()
+    from distgrad.lab.compare import weight_diff  # (imports Keras: here, not at the top)
+
     final = load_weights(os.path.join(workdir, "final.npz"))
     chief = attempts[-1].results[0].value
     report.update({
         "error": None, "resumed": chief["restored"],
         "final": {k: chief[k] for k in ("micro_batches", "optimizer_iterations",
                                         "accumulator_micro_steps", "total_run_calls")},
-        "max_abs_diff_vs_uninterrupted": _max_abs_diff(final, uninterrupted),
-        "max_abs_diff_vs_one_device": _max_abs_diff(final, reference),
+        "max_abs_diff_vs_uninterrupted": weight_diff(final, uninterrupted).max_abs,
+        "max_abs_diff_vs_one_device": weight_diff(final, reference).max_abs,
     })
     return report
 
