@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install copy-lessons lessons site site-test chromium serve unit unit-and-lessons bench gpu-check matrix clean
+.PHONY: course test install lint copy-lessons lessons site site-test chromium serve unit unit-and-lessons bench gpu-check matrix clean
 
 install: $(STAMP)
 
@@ -74,6 +74,11 @@ course: lessons site
 serve: install
 	$(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
 
+# ruff with the rules pinned in pyproject.toml. The lessons are linted as notebooks/*.py,
+# the source of each jupytext pair; the paired .ipynb are excluded there (same code twice).
+lint: install
+	$(PY) -m ruff check .
+
 unit: install
 	mkdir -p build
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
@@ -90,6 +95,7 @@ LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   tests/test_user_paths.py tests/test_fix_cells.py tests/test_backup_and_restore.py \
   $(EXECUTED)/08_preemption_and_resume.ipynb tests/test_optimizer.py \
   $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py tests/test_preemption.py \
+  tests/test_multi_worker_bench.py \
   $(EXECUTED)/06_multi_worker.ipynb tests/test_non_finite.py tests/test_accumulator.py \
   $(EXECUTED)/01_where_gradients_sync.ipynb tests/test_epoch_ends.py tests/test_mixed_precision.py \
   tests/test_tf_keras_optimizer.py tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py \
@@ -104,17 +110,20 @@ unit-and-lessons: install copy-lessons
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.
 test: install
+	$(MAKE) lint
 	mkdir -p build && rm -f $(PYTEST_STATUS)
 	$(MAKE) unit-and-lessons
 	$(MAKE) site
 	$(MAKE) site-test
 
-# Benchmarks (minutes, not part of `make test`): writes results.json and the generated
-# tables and plots in docs/performance/ (docs/performance.md includes them); `$(PY) -m
-# benchmarks.run --quick` for a smoke run.
+# Benchmarks (about an hour on 2 cores, not part of `make test`): the one-process
+# comparison (results.json) and the worker-process one (multi_worker.json; `unshare --net`
+# needs root), with the generated tables and plots in docs/performance/
+# (docs/performance.md includes them); `--quick` on either module for a smoke run.
 bench: install
 	$(PY) -m pip install -e '.[bench]'
 	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.multi_worker
 
 # GPU machines only (docs/guides/gpu.md; not part of `make test`): every lesson executed on
 # the GPUs one at a time, then the checks the CPU simulation cannot make

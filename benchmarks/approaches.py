@@ -12,12 +12,12 @@ of `k * micro_batch` (no accumulation, `k` times the activation memory).
 | `accumulating_optimizer_fit` | `distgrad.optimizer.AccumulatingOptimizer(SGD, k)` in fit | fit |
 | `micro_batching_fit` | `distgrad.train_step.with_micro_batches(model, k)`, batch k*micro | fit |
 | `keras_builtin_fit` | `keras.optimizers.SGD(gradient_accumulation_steps=k)` | fit |
-| `mask_trick_fit` | `distgrad.pitfalls.mask_trick.patch_with_mask` (apply `acc * 0/1`) | fit |
+| `mask_trick_fit` | `pitfalls.mask_trick.patch_with_mask` (apply `acc * 0/1`) | fit |
 | `pypi_gradient_accumulator_fit` | PyPI `gradient-accumulator`'s `GradientAccumulateModel` | fit |
-| `plain_custom` | `strategy.run(distgrad.sync.make_replica_step(...))` per micro-batch | custom loop (baseline) |
-| `gradient_accumulator_custom` | `distgrad.lab.accumulation.AccumulatedTrainer` (k accumulate calls, 1 apply) | custom loop |
+| `plain_custom` | `strategy.run(make_replica_step(...))` per micro-batch | custom loop (baseline) |
+| `gradient_accumulator_custom` | `AccumulatedTrainer` (k calls, 1 apply) | custom loop |
 | `accumulating_optimizer_custom` | `plain_custom` with an `AccumulatingOptimizer` | custom loop |
-| `floor_fit`, `floor_custom` | the plain runners on a model with one hidden unit | fixed per-step cost |
+| `floor_fit`, `floor_custom` | the plain runners, a model of 1 hidden unit | fixed step cost |
 
 The runners live in `benchmarks.fit_runners` and `benchmarks.loop_runners`, what they
 share in `benchmarks.runners`. A runner that cannot run (Keras' built-in
@@ -77,6 +77,6 @@ def build(runner_class, strategy, sizes, k, x, y):
             return failed
     try:
         return runner_class(strategy, sizes, k, x, y)
-    except Exception as err:  # noqa: BLE001 - the record says what it was
+    except Exception as err:  # the record says what it was
         failed.error = CapturedError.of(err)
         return failed

@@ -50,8 +50,10 @@ class FitRunner(Runner):
         rows = k * sizes.micro_batch
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model.fit(x[:rows], y[:rows], batch_size=self.batch_size, epochs=1,
-                           shuffle=False, verbose=0)
+            # A batched dataset, not arrays: `MultiWorkerFit` (benchmarks.worker_bench)
+            # takes no arrays on several workers.
+            self.model.fit(tf.data.Dataset.from_tensor_slices((x[:rows], y[:rows])).batch(
+                self.batch_size, drop_remainder=True), epochs=1, shuffle=False, verbose=0)
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
             self.batch_size, drop_remainder=True)
         # A finite list, not a live iterator: a distributed iterator kept alive (and
@@ -164,7 +166,7 @@ def pypi_package_status() -> tuple[str | None, CapturedError | None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             importlib.import_module("gradient_accumulator")
-    except Exception as err:  # noqa: BLE001 - recorded, any import failure
+    except Exception as err:  # recorded, any import failure
         return version, CapturedError.of(err)
     return version, None
 
@@ -181,13 +183,14 @@ def pypi_optimizer_error() -> CapturedError | None:
             from gradient_accumulator import GradientAccumulateOptimizer
 
             GradientAccumulateOptimizer(sgd(), accum_steps=2)
-    except Exception as err:  # noqa: BLE001 - recorded
+    except Exception as err:  # recorded
         return CapturedError.of(err)
     return None
 
 
 class PypiGradientAccumulatorFit(FitRunner):
-    key, label = "pypi_gradient_accumulator_fit", "PyPI gradient-accumulator GradientAccumulateModel"
+    key = "pypi_gradient_accumulator_fit"
+    label = "PyPI gradient-accumulator GradientAccumulateModel"
 
     def _model(self):
         from gradient_accumulator import GradientAccumulateModel

@@ -68,7 +68,8 @@ def _parse(argv):
                         help="comma-separated k for the scaling sweep (default 1,2,4,8; quick 1,2)")
     parser.add_argument("--repeats", type=int, default=None, help="override the preset's rounds")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (default docs/performance; quick: benchmarks/results/quick)")
+                        help="output folder (default docs/performance; quick: "
+                             "benchmarks/results/quick)")
     parser.add_argument("--report-only", action="store_true",
                         help="only re-render the tables and plots from OUT/results*.json")
     parser.add_argument("--require-gpu", action="store_true",
@@ -184,7 +185,7 @@ def _time_group(name, strategy_name, strategy, classes, sizes, k, repeats, physi
             try:
                 row["all_reduces"], row["op_time"] = traced_update(
                     runner, updates=1, with_graph=traced == "graph")
-            except Exception as err:  # noqa: BLE001 - recorded on the row
+            except Exception as err:  # recorded on the row
                 row["all_reduces"] = {"error": f"{type(err).__name__}: {err}"}
         _log(f"{name} {strategy_name} k={k}: profiler traces taken")
     if memory:

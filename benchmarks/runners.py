@@ -158,7 +158,8 @@ class Runner:
         positive_int("updates", updates)
         needed = updates * self.k * self.sizes.micro_batch
         if needed > len(self.x):
-            raise ValueError(f"{updates} updates need {needed} examples, the data has {len(self.x)}.")
+            raise ValueError(f"{updates} updates need {needed} examples, the data has "
+                             f"{len(self.x)}.")
         seconds = self._run(updates)
         self.micro_batches_run += updates * self.k
         return seconds

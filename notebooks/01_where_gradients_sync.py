@@ -109,7 +109,7 @@ for epoch in range(2):
 # %% tags=["check"]
 # One device, no strategy: the same initial weights, the same batches, each batch's mean loss.
 reference, reference_optimizer = make_model(), keras.optimizers.SGD(0.1)
-for epoch in range(2):
+for _epoch in range(2):
     for x_batch, y_batch in dataset:
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(keras.losses.mean_squared_error(y_batch, reference(x_batch)))
@@ -485,7 +485,12 @@ def clipped_train_step(x, y):
 
 clipped_step = tf.function(lambda batch: strategy.run(clipped_train_step, args=batch))
 clipped_step(next(iter(dist_dataset)))
-clipping_sgd = lambda: keras.optimizers.SGD(0.1, global_clipnorm=CLIP_NORM)
+
+
+def clipping_sgd():
+    return keras.optimizers.SGD(0.1, global_clipnorm=CLIP_NORM)
+
+
 one_device = big_batch_reference(clipping_sgd, *next(iter(dataset)), model_factory=make_model)
 fixed = check_close(weights_of(clipped_model), one_device)  # rtol = atol = 1e-6
 print(f"clip the sum, {R} replicas vs one device: max abs diff {fixed.max_abs:.1e}")

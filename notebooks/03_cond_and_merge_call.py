@@ -334,7 +334,9 @@ assert record.error.contains("control flow statement which contains a synchroniz
 # ### Deep dive · Keras 3's built-in `gradient_accumulation_steps` hits the same wall
 #
 # `keras.optimizers.SGD(0.1, gradient_accumulation_steps=4)` in `model.fit` under
-# `MirroredStrategy` (keras-team/keras#20582, open):
+# `MirroredStrategy` (keras-team/keras#20582, open). On the version matrix's nightly cell
+# (keras-nightly) the same `RuntimeError` comes without Keras' `Cond.call()` wrapper
+# around its message ([upstream status](../upstream.md#status)):
 
 # %%
 builtin = cond_merge_call.reproduce_builtin(strategy, steps=STEPS)
@@ -595,7 +597,11 @@ for run in (packaged_fit, loop):
 # %%
 from distgrad.lab.graph import fit_step_placement
 
-clipped = lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.05)
+
+def clipped():
+    return keras.optimizers.SGD(0.1, global_clipnorm=0.05)
+
+
 clip_reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
 clip_run = fit_run(strategy, lambda: AccumulatingOptimizer(clipped(), STEPS), x, y, MICRO_BATCH)
 placement = fit_step_placement(clip_run.model, x, y, MICRO_BATCH)

@@ -34,8 +34,9 @@
 # every later step is skipped.
 
 # %%
-import distgrad
 import tensorflow as tf
+
+import distgrad
 from distgrad.lab.display import show_code, show_environment, show_table
 
 strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
@@ -119,11 +120,14 @@ import inspect
 import re
 import textwrap
 import warnings
+
 import matplotlib.pyplot as plt
 from IPython.display import Code, display
 from keras.src.optimizers import loss_scale_optimizer
+
 from distgrad.lab import mixed  # the lesson's data and model.fit runs (not for your code)
 from distgrad.pitfalls import lso_first_replica_finite as first_replica
+
 keras.mixed_precision.set_global_policy("float32")  # the fix cell's; the runs below set theirs
 mb = 4 * R  # the global micro-batch of the runs below (`strategy`: the fix cell's)
 x8, y8 = mixed.overflow_data(8, mb, None, R)
@@ -186,8 +190,8 @@ display(show_code(first_replica.reproduce))
 # ### Deep dive · The same runs, step by step
 
 # %%
-from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
 from distgrad import mixed_precision
+from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
 ours = inspect.getsource(AllReplicasFiniteLossScaleOptimizer._tf_apply)
@@ -199,7 +203,7 @@ assert ")[0]" not in ours  # no replica is taken for all
 # (MultiWorkerMirroredStrategy: a worker sees only its own replicas' flags).
 everywhere = inspect.getsource(mixed_precision._finite_everywhere)
 assert "return tf.reduce_all(tf.stack(local))" in everywhere
-for hit, (stock, fixed) in runs.items():
+for hit, (_stock, fixed) in runs.items():
     assert len(warned[hit]) == 1 and warned[hit][0].startswith(  # and it says so, once
         "AllReplicasFiniteLossScaleOptimizer: 1 step(s) skipped in this fit")
     assert fixed.iterations == (1, 1, 2, 3)  # skipped, exactly as the stock one skips replica 0's

@@ -147,6 +147,7 @@ print("two outputs, sample weights: weights and losses equal one device, big bat
 from IPython.display import display
 
 from distgrad.pitfalls import compound_assignment
+
 display(show_code(compound_assignment.compound_body), show_code(compound_assignment.returned_body))
 
 # %%
@@ -191,7 +192,7 @@ class GradAccumModel(keras.Model):
             raise ValueError('Batch size must be divisible by the Gradient accumulation steps, dummy!')
         self.grad_accum = grad_accum
         self.batch_size = batch_size
-        return super(GradAccumModel, self).fit(*args,
+        return super(GradAccumModel, self).fit(*args,  # noqa: UP008 - as posted
                                                batch_size = self.batch_size,
                                                **kwargs)
 

@@ -35,14 +35,15 @@ import distgrad
 
 strategy = distgrad.make_strategy(1)  # this process only starts the workers and checks them
 
-import os  # noqa: E402
-import tempfile  # noqa: E402
+import os
+import tempfile
 
-import tensorflow as tf  # noqa: E402
-from distgrad.lab import workers  # noqa: E402
-from distgrad.lab.compare import check_close  # noqa: E402
-from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
-from distgrad.lab.multiworker import run_workers  # noqa: E402
+import tensorflow as tf
+
+from distgrad.lab import workers
+from distgrad.lab.compare import check_close
+from distgrad.lab.display import show_code, show_environment, show_table
+from distgrad.lab.multiworker import run_workers
 
 tf.get_logger().setLevel("ERROR")  # section 1 creates a second strategy here, on purpose
 show_environment(distgrad.environment_report(strategy))
@@ -117,7 +118,7 @@ def apply(examples):  # the update's one sync: apply_gradients' SUM over all wor
             buffer.assign(tf.zeros_like(buffer))
     strategy.run(step)
 
-for epoch in range(EPOCHS):
+for _epoch in range(EPOCHS):
     for step, batch in enumerate(dist_dataset, start=1):
         accumulate(batch)
         if step % K == 0:
@@ -149,7 +150,7 @@ print(f"{int(optimizer.iterations.numpy())} updates on {strategy.num_replicas_in
 assert "TF_CONFIG" not in os.environ and not strategy.cluster_resolver.cluster_spec().as_dict()
 path = os.path.join(tempfile.mkdtemp(prefix="distgrad-worker-"), "worker.py")
 with open(path, "w") as file:  # the fix cell as it ran: IPython keeps each cell run in `In`
-    file.write(next(cell for cell in reversed(In) if cell.startswith("# worker.py")))
+    file.write(next(cell for cell in reversed(In) if cell.startswith("# worker.py")))  # noqa: F821
 runs = run_workers("distgrad.lab.workers:run_script", WORKERS, timeout=240, path=path)
 assert all(r.ok for r in runs), [r.stderr_tail for r in runs]
 diffs = [check_close(r.value["weights"], one_device.get_weights()).max_abs for r in runs]
@@ -226,7 +227,7 @@ show_table(["class", "worker", "updates", "all-reduces: micro-step function",
 # three with distgrad's fix.
 
 # %%
-import sys  # noqa: E402
+import sys
 
 fit_dir = tempfile.mkdtemp(prefix="distgrad-fit-")
 sys.path.insert(0, fit_dir)  # this process imports the worker's module to check it
@@ -253,8 +254,7 @@ def fit_on_worker(task_index, num_workers, variants, checkpoint_dir):
 
     import keras
 
-    from distgrad import (AccumulatingOptimizer, MicroBatching, MultiWorkerFit,
-                          MultiWorkerFitModel)
+    from distgrad import AccumulatingOptimizer, MicroBatching, MultiWorkerFit, MultiWorkerFitModel
     from distgrad.lab.data import regression_data, tiny_model
 
     keras.config.disable_traceback_filtering()  # keep Keras' own frames in tracebacks
@@ -319,11 +319,11 @@ for index, r in enumerate(results):
 # Each of the three fixed models against Keras' own `fit` on one device, batches of 16:
 
 # %%
-import fit_worker  # noqa: E402  (the module written above)
-import keras  # noqa: E402
+import fit_worker  # the module written above
+import keras
 
-from distgrad.lab.data import regression_data, tiny_model  # noqa: E402
-from distgrad.lab.recipes import fit_run  # noqa: E402
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.recipes import fit_run
 
 x_fit, y_fit = regression_data(2 * fit_worker.GLOBAL_BATCH)
 fit_reference = fit_run(None, lambda: keras.optimizers.Adam(0.01), x_fit, y_fit,
@@ -414,11 +414,11 @@ assert names[first - 1] == "fit" and "_reduce_to" in names[first:last]
 # </div>
 
 # %%
-import inspect  # noqa: E402
-import textwrap  # noqa: E402
+import inspect
+import textwrap
 
-from IPython.display import Code  # noqa: E402
-from keras.src.backend.tensorflow import trainer as keras_trainer  # noqa: E402
+from IPython.display import Code
+from keras.src.backend.tensorflow import trainer as keras_trainer
 
 build_source = inspect.getsource(keras_trainer.TensorFlowTrainer._maybe_symbolic_build)
 reduce_mean = 'data_batch = self.distribute_strategy.reduce(\n                        "MEAN",'
@@ -476,10 +476,9 @@ show_code(distgrad.MultiWorkerFit._reducible)
 # ports:
 
 # %%
-import json  # noqa: E402
+import json
 
-from distgrad.lab.multiworker import (free_ports, tf_config, visible_gpus,  # noqa: E402
-                                     worker_devices)
+from distgrad.lab.multiworker import free_ports, tf_config, visible_gpus, worker_devices
 
 ports = free_ports(WORKERS)
 configs = [{"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
@@ -517,8 +516,8 @@ assert late.value["error"] == {"type": "RuntimeError",
 # size): the other way to give each worker its shard. Three Adam steps:
 
 # %%
-from distgrad.lab.compare import OPTIMIZERS  # noqa: E402
-from distgrad.lab.recipes import big_batch_reference  # noqa: E402
+from distgrad.lab.compare import OPTIMIZERS
+from distgrad.lab.recipes import big_batch_reference
 
 show_code(workers.train_on_worker)
 
@@ -579,7 +578,7 @@ restored, restored_optimizer = tiny_model(), keras.optimizers.SGD(0.1)
 restored_optimizer.build(restored.trainable_variables)
 tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(
     chief.value["path"]).assert_consumed()
-from distgrad.lab.compare import weights_of  # noqa: E402
+from distgrad.lab.compare import weights_of
 
 restored_diff = check_close(weights_of(restored), big_batch_reference(
     lambda: keras.optimizers.SGD(0.1), x16, y16, steps=2))
@@ -661,7 +660,7 @@ with open(no_leftover, "w") as file:
     file.write("".join(lines[:-2]))  # without the last two lines
 (alone,) = run_workers("distgrad.lab.workers:run_script", 1, timeout=240, path=no_leftover)
 assert alone.ok, alone.stderr_tail
-from distgrad.lab.compare import check_not_close  # noqa: E402
+from distgrad.lab.compare import check_not_close
 
 missed = check_not_close(alone.value["weights"], one_device.get_weights())
 print(f"updates: {alone.value['updates']}; max abs diff vs one device's fit {missed.max_abs:.1e}")

@@ -35,12 +35,11 @@ strategy = distgrad.make_strategy()  # first: logical devices must exist before 
 R = strategy.num_replicas_in_sync
 assert R >= 2, "the fix and the deep dives compare R >= 2 replicas with one device"
 
-from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+from distgrad.lab.display import show_code, show_environment, show_table
 
 show_environment(distgrad.environment_report(strategy))
 
 # %%
-import numpy as np
 import tensorflow as tf
 
 tf.get_logger().setLevel("ERROR")  # fresh tf.functions per experiment, on purpose
@@ -121,7 +120,7 @@ def apply():
             variable.assign(tf.zeros_like(variable))
     strategy.run(step)
 
-for epoch in range(EPOCHS):
+for _epoch in range(EPOCHS):
     for step, batch in enumerate(dist_dataset, start=1):
         accumulate(batch)
         if step % K == 0:
@@ -157,7 +156,7 @@ print(f"{strategy.num_replicas_in_sync} replicas, token-weighted: equal to one d
 # choices on one batch of padded sequences, gradients against the big batch's:
 
 # %%
-from distgrad.pitfalls import mean_of_means  # noqa: E402
+from distgrad.pitfalls import mean_of_means
 
 R = strategy.num_replicas_in_sync  # from here on the fix's strategy: no second set of collectives
 uneven = mean_of_means.reproduce(micro_batches=2, strategy=strategy)
@@ -183,7 +182,7 @@ assert uneven.global_count_across_replicas_vs_big_batch <= 1e-6
 # replicas) land at float32 rounding.
 
 # %%
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 errors = {"mean of micro-batch means": uneven.mean_of_means_vs_big_batch,
           "the update's count": uneven.global_count_vs_big_batch,
@@ -213,7 +212,7 @@ show_code(mean_of_means.reproduce)
 # count updates (deep dive below).
 
 # %%
-from distgrad.normalization import global_token_count, token_loss  # noqa: E402
+from distgrad.normalization import global_token_count, token_loss
 
 show_code(token_loss)
 
@@ -251,7 +250,7 @@ show_code(global_token_count)
 # is exact.
 
 # %%
-from distgrad.pitfalls import batchnorm_statistics  # noqa: E402
+from distgrad.pitfalls import batchnorm_statistics
 
 bn = batchnorm_statistics.reproduce(strategy, micro_batches=2)
 scale = bn.one_device_update_max_abs
@@ -363,7 +362,7 @@ assert dropout_rows[1][1] <= 1e-6  # dropout off: it is
 # (two Adam steps on one embedding table, `sparse_duplicates.reproduce`):
 
 # %%
-from distgrad.pitfalls import sparse_duplicates  # noqa: E402
+from distgrad.pitfalls import sparse_duplicates
 
 adam_sparse = sparse_duplicates.reproduce(tokens=(1, 1, 2))
 adam_unique = sparse_duplicates.reproduce(tokens=(1, 2, 3))
@@ -433,7 +432,7 @@ assert not isinstance(difference, tf.IndexedSlices)
 # the whole table, a sparse one only the touched rows:
 
 # %%
-from distgrad.sparse import deduplicate, dense_bytes, sparse_bytes  # noqa: E402
+from distgrad.sparse import deduplicate, dense_bytes, sparse_bytes
 
 vocab, dim, batch_tokens = 50_000, 64, 4_096
 table = tf.Variable(tf.zeros([vocab, dim]))
@@ -464,7 +463,7 @@ np.testing.assert_array_equal(tf.convert_to_tensor(unique),
 # optimizer is evaluated at the inner `iterations`, which counts *updates*.
 
 # %%
-from distgrad.pitfalls import clip_per_micro_batch  # noqa: E402
+from distgrad.pitfalls import clip_per_micro_batch
 
 clipping = clip_per_micro_batch.reproduce(strategy)
 update_scale = clipping.big_batch_update_max_abs
@@ -501,7 +500,7 @@ assert clipping.schedule_vs_constant_learning_rate.max_abs > 1e-2
 # difference of exactly 0 is drawn at the left edge.
 
 # %%
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 experiments = [
     ("token means per micro-batch",

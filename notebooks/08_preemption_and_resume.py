@@ -41,17 +41,16 @@ strategy = distgrad.make_strategy()  # first: logical devices must exist before 
 R = strategy.num_replicas_in_sync
 assert R >= 2, "the fix and the deep dives compare R >= 2 replicas with one device"
 
-from distgrad.lab.display import show_code, show_environment, show_table  # noqa: E402
+from distgrad.lab.display import show_code, show_environment, show_table
 
 show_environment(distgrad.environment_report(strategy))
 
 # %%
-import json  # noqa: E402
-import os  # noqa: E402
-import tempfile  # noqa: E402
-import textwrap  # noqa: E402
+import json
+import os
+import textwrap
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 tf.get_logger().setLevel("ERROR")  # fresh models and tf.functions per experiment, on purpose
 
@@ -72,6 +71,7 @@ import tempfile
 import keras
 import numpy as np
 import tensorflow as tf
+
 from distgrad import AccumulatingOptimizer
 from distgrad.callbacks import BackupAndRestore
 
@@ -142,9 +142,10 @@ print(f"{strategy.num_replicas_in_sync} replicas, preempted and resumed: equal t
 # `distgrad.pitfalls.backup_replays_epoch` runs both):
 
 # %%
-import matplotlib.pyplot as plt  # noqa: E402
-from distgrad.lab import backup  # noqa: E402
-from distgrad.pitfalls import backup_replays_epoch  # noqa: E402
+import matplotlib.pyplot as plt
+
+from distgrad.lab import backup
+from distgrad.pitfalls import backup_replays_epoch
 
 work = tempfile.mkdtemp()
 replay = backup_replays_epoch.reproduce(strategy, cut=7, save_freq=3, directory=work)
@@ -168,7 +169,7 @@ plt.show()
 # `_load_model` only sets `model._initial_epoch`. Its own metadata, after the first fit:
 
 # %%
-import keras  # noqa: E402
+import keras
 
 with_keras = os.path.join(work, "metadata")
 try:
@@ -190,8 +191,6 @@ show_code(keras.callbacks.BackupAndRestore._load_model)
 # uninterrupted run. After the last of them, Keras' own train function is back:
 
 # %%
-from distgrad.callbacks import BackupAndRestore  # noqa: E402
-
 show_code(BackupAndRestore.on_train_batch_begin)
 
 # %% [markdown]
@@ -255,9 +254,9 @@ assert model.optimizer.iterations.numpy() == 0  # refused before the first step
 # with the same `backup_dir`, as a cluster manager would restart it:
 
 # %%
-import time  # noqa: E402
+import time
 
-from distgrad.lab.multiworker import run_workers  # noqa: E402
+from distgrad.lab.multiworker import run_workers
 
 shared = os.path.join(work, "cluster")
 started = time.monotonic()
@@ -297,8 +296,8 @@ print(f"both workers after the restart equal the uninterrupted run on {R} local 
 # on TensorFlow 2.21:
 
 # %%
-from distgrad.lab import preemption  # noqa: E402
-from distgrad.lab.child import run_child  # noqa: E402
+from distgrad.lab import preemption
+from distgrad.lab.child import run_child
 
 iterators = run_child("distgrad.lab.preemption:iterator_checkpointability", {"replicas": R}).value
 show_table(["iterator", "tf.train.Checkpoint(iterator=...)"], [
@@ -450,7 +449,7 @@ print("SIGTERM and SIGKILL mid-cycle: resumed equal to the uninterrupted run and
 # after batch 6 of 16, backups every 3 batches:
 
 # %%
-from distgrad.lab.legacy import run_legacy  # noqa: E402
+from distgrad.lab.legacy import run_legacy
 
 legacy = {data: run_legacy("distgrad.lab.legacy_backup:trained_batches", replicas=R,
                            data=data).value for data in ("arrays", "dataset")}
@@ -480,7 +479,7 @@ assert keras3["resumed"]["updates"] == 22 and keras3["resumed"]["w"] == 93.0
 # copy of the trainable weights. Measured in the backup file, mid-cycle and at a boundary:
 
 # %%
-import h5py  # noqa: E402
+import h5py
 
 probe = backup.build(strategy)
 with strategy.scope():

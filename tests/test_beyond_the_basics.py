@@ -38,7 +38,9 @@ def test_batchnorm_on_one_replica_without_accumulation_is_the_big_batch(strategy
 
 
 def test_plain_sgd_does_not_care_about_duplicates():  # lesson 07: with momentum, and Adam
-    sgd = lambda: keras.optimizers.SGD(0.1)
+    def sgd():
+        return keras.optimizers.SGD(0.1)
+
     assert sparse_duplicates.reproduce((1, 1, 2), optimizer_factory=sgd).sparse_vs_dense <= TOL
 
 

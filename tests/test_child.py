@@ -1,12 +1,16 @@
 """distgrad.lab.child: one function of a real module in a fresh Python, one result protocol."""
 
+import ast
+import json
 import os
 import resource
+import textwrap
 import time
 
 import numpy as np
 import pytest
 
+from distgrad.lab import child as child_module
 from distgrad.lab import fork_server
 from distgrad.lab.child import Child, ChildError, ChildResult, run_child, to_json
 
@@ -115,6 +119,83 @@ def test_a_server_that_cannot_start_is_reported_with_the_switch_that_avoids_it(t
                                            r"DISTGRAD_FORK_SERVER=0"):
         Child("workers_for_tests:plain_values",
               env={**TESTS_ON_PATH, "PYTHONHOME": str(tmp_path / "no-python-here")})
+
+
+def _imports(module) -> set[str]:
+    """The modules `module`'s source imports (its top level and its functions alike)."""
+    with open(module.__file__) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_the_child_imports_the_fork_server_and_never_the_other_way_round():
+    assert "distgrad.lab.fork_server" in _imports(child_module)
+    assert not any(name.startswith("distgrad") for name in _imports(fork_server))
+    with open(fork_server.__file__) as f:
+        assert "lab.child" not in f.read()  # not named in code or docstrings either
+
+
+PROBE = textwrap.dedent("""\
+    import json, os, sys
+    with open(sys.argv[1], "w") as f:
+        json.dump({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(),
+                   "path0": sys.path[0],
+                   "child_imported": "distgrad.lab.child" in sys.modules}, f)
+    mode = sys.argv[2]
+    if mode == "exit":
+        sys.exit(int(sys.argv[3]))
+    if mode == "message":
+        sys.exit("message-0815")
+    if mode == "raise":
+        raise ValueError("marker-4711")
+""")
+
+
+@pytest.mark.skipif(not fork_server.enabled(), reason="children are not forked here")
+def test_the_fork_server_runs_any_module_as_python_dash_m_would(tmp_path):
+    (tmp_path / "fork_probe.py").write_text(PROBE)
+    # TF_CPP_MIN_LOG_LEVEL as `Child` sets it: the server the other tests started serves us.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(tmp_path)}
+    outcomes = {}
+    for mode, extra in (("return", []), ("exit", ["3"]), ("message", []), ("raise", [])):
+        out, stderr = tmp_path / f"{mode}.json", tmp_path / f"{mode}.err"
+        process = fork_server.start("fork_probe", [str(out), mode, *extra], env, str(stderr))
+        outcomes[mode] = (process.wait(timeout=120), json.loads(out.read_text()),
+                          stderr.read_text())
+    codes = {mode: code for mode, (code, _, _) in outcomes.items()}
+    assert codes == {"return": 0, "exit": 3, "message": 1, "raise": 1}
+    _, seen, _ = outcomes["return"]
+    assert seen["name"] == "__main__" and not seen["child_imported"]  # the server's neither
+    assert seen["argv"] == [str(tmp_path / "fork_probe.py"), str(tmp_path / "return.json"),
+                            "return"]
+    assert (seen["cwd"], seen["path0"]) == (os.getcwd(), os.getcwd())
+    assert "message-0815" in outcomes["message"][2]
+    assert "Traceback" in outcomes["raise"][2] and "marker-4711" in outcomes["raise"][2]
+
+
+def test_the_child_log_gets_one_line_at_start_and_one_at_result(tmp_path, monkeypatch):
+    log = tmp_path / "children.jsonl"
+    monkeypatch.setenv(child_module.LOG_ENV, str(log))
+    ok = run_child("workers_for_tests:plain_values", env=TESTS_ON_PATH)
+    failed = run_child("workers_for_tests:exit_without_result", {"code": 3},
+                       env=TESTS_ON_PATH, check=False)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(line["event"], line["target"]) for line in lines] == [
+        ("start", "workers_for_tests:plain_values"),
+        ("result", "workers_for_tests:plain_values"),
+        ("start", "workers_for_tests:exit_without_result"),
+        ("result", "workers_for_tests:exit_without_result")]
+    start, result = lines[0], lines[1]
+    assert start["forked"] == result["forked"] == fork_server.enabled()
+    assert isinstance(start["new_server"], bool) and start["pid"] == result["pid"]
+    assert (result["seconds"], result["returncode"]) == (round(ok.seconds, 4), 0)
+    assert lines[3]["returncode"] == failed.returncode == 3
 
 
 def test_a_server_serves_environments_that_differ_only_after_import():

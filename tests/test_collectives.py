@@ -47,7 +47,7 @@ def test_ops_inside_cond_branches_are_counted():
 
 def test_asymmetric_counts_are_rejected():
     with pytest.raises(ValueError, match="not a multiple of 2 replicas"):
-        CollectiveCount({"CollectiveReduceV2": 3}, replicas=2).all_reduces
+        _ = CollectiveCount({"CollectiveReduceV2": 3}, replicas=2).all_reduces
 
 
 def test_count_collectives_needs_a_tf_function():

@@ -169,7 +169,10 @@ def test_ema_walkthrough_gives_keras_hand_values_per_update(k):
         ([[1.0, 2.0], [3.0, 4.0]], [[1.9, 2.9], [3.9, 4.9]]),
         ([[1.71, 2.71], [3.71, 4.71]], [[1.71, 2.71], [3.71, 4.71]]),  # overwritten
     ]
-    average = lambda: optimizer.inner_optimizer._model_variables_moving_average[0].numpy()
+
+    def average():
+        return optimizer.inner_optimizer._model_variables_moving_average[0].numpy()
+
     for weights, moving_average in expected:
         apply_calls(None, optimizer, [v], repeated([[ONES]], k))
         check_close([v.numpy(), average()], [weights, moving_average])
@@ -382,7 +385,10 @@ def test_tf_train_checkpoint_restores_predictions_and_the_cycle(tmp_path, k):
     optimizer = wrapped(keras.optimizers.Adam(), k)
     model.compile(optimizer, "mse")
     x, y = np.random.RandomState(6).random_sample((2, 1, 2))
-    predict = lambda: [model.predict(x, verbose=0)]
+
+    def predict():
+        return [model.predict(x, verbose=0)]
+
     model.train_on_batch(x, y)
     reference = predict()
     checkpoint = tf.train.Checkpoint(model, optimizer=optimizer)

@@ -139,7 +139,10 @@ def test_custom_loop_step_counts_one_all_reduce_like_a_plain_step(strategy2):
 @pytest.mark.parametrize("option", ["clipnorm", "global_clipnorm", "clipvalue"])
 def test_clipping_acts_on_the_accumulated_all_reduced_gradient(strategy2, option):
     x, y = data()
-    clipped = lambda: keras.optimizers.SGD(0.1, **{option: 0.05})
+
+    def clipped():
+        return keras.optimizers.SGD(0.1, **{option: 0.05})
+
     reference = fit_run(None, clipped, x, y, MICRO_BATCH * STEPS)
     check_not_close(reference.final, big_batch("sgd"))  # clipping is active
     run = fit_run(strategy2, lambda: AccumulatingOptimizer(clipped(), STEPS), x, y, MICRO_BATCH)
@@ -184,7 +187,8 @@ def _partial_then_rest(strategy, make, save_and_reload):
 
 def test_model_save_mid_accumulation_then_load_and_continue_equals_uninterrupted(
         strategy2, tmp_path):
-    make = lambda: AccumulatingOptimizer(OPTIMIZERS["adam"](), STEPS)
+    def make():
+        return AccumulatingOptimizer(OPTIMIZERS["adam"](), STEPS)
 
     def save_and_reload(run):
         path = os.fspath(tmp_path / "mid.keras")
@@ -193,8 +197,10 @@ def test_model_save_mid_accumulation_then_load_and_continue_equals_uninterrupted
             loaded = keras.models.load_model(path)
         optimizer = loaded.optimizer
         assert isinstance(optimizer, AccumulatingOptimizer)
-        assert (optimizer.accumulation_steps, type(optimizer.inner_optimizer)) == (STEPS, keras.optimizers.Adam)
-        assert (int(optimizer.iterations.numpy()), int(optimizer.total_micro_steps.numpy())) == (1, 6)
+        assert optimizer.accumulation_steps == STEPS
+        assert type(optimizer.inner_optimizer) is keras.optimizers.Adam
+        assert int(optimizer.iterations.numpy()) == 1
+        assert int(optimizer.total_micro_steps.numpy()) == 6
         check_close([a.numpy() for a in optimizer.accumulators],
                     [a.numpy() for a in run.optimizer.accumulators])
         return loaded
@@ -206,7 +212,8 @@ def test_model_save_mid_accumulation_then_load_and_continue_equals_uninterrupted
 
 def test_tf_train_checkpoint_mid_accumulation_restores_under_another_replica_count(
         strategy2, tmp_path):
-    make = lambda: AccumulatingOptimizer(OPTIMIZERS["adam"](), STEPS)
+    def make():
+        return AccumulatingOptimizer(OPTIMIZERS["adam"](), STEPS)
 
     def checkpoint_and_restore_without_strategy(run):
         path = tf.train.Checkpoint(model=run.model, optimizer=run.optimizer).write(
@@ -215,7 +222,8 @@ def test_tf_train_checkpoint_mid_accumulation_restores_under_another_replica_cou
         model.compile(optimizer=optimizer, loss="mse")
         optimizer.build(model.trainable_variables)
         tf.train.Checkpoint(model=model, optimizer=optimizer).read(path).assert_consumed()
-        assert (int(optimizer.iterations.numpy()), int(optimizer.total_micro_steps.numpy())) == (1, 6)
+        assert int(optimizer.iterations.numpy()) == 1
+        assert int(optimizer.total_micro_steps.numpy()) == 6
         return model
 
     model = _partial_then_rest(strategy2, make, checkpoint_and_restore_without_strategy)

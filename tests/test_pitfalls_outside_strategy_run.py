@@ -9,7 +9,8 @@ from distgrad.pitfalls import outside_strategy_run
 MERGE_CALL_ON_NONE = "'NoneType' object has no attribute 'merge_call'"
 
 
-def test_with_one_replica_gradients_are_plain_tensors_but_cross_replica_apply_still_fails(strategy1):
+def test_with_one_replica_gradients_are_plain_tensors_but_cross_replica_apply_still_fails(
+        strategy1):
     record = outside_strategy_run.reproduce(strategy1)
     assert record.gradient_type != "PerReplica"
     assert record.sum_error is None

@@ -136,8 +136,8 @@ def test_the_launch_block_gives_each_of_two_workers_its_tf_config():
 
 
 def start(script: Path, args: list, env: dict, name: str) -> tuple:
-    out = open(script.with_name(f"{name}.out"), "w+")  # noqa: SIM115 - read after the run
-    err = open(script.with_name(f"{name}.err"), "w+")  # noqa: SIM115
+    out = open(script.with_name(f"{name}.out"), "w+")  # read after the run
+    err = open(script.with_name(f"{name}.err"), "w+")
     process = subprocess.Popen([sys.executable, script.name, *args], cwd=script.parent,
                                env=env, stdout=out, stderr=err, start_new_session=True)
     return process, out, err

@@ -1,4 +1,5 @@
-"""Lesson 05's facts: in-step micro-batching in model.fit (distgrad.train_step, distgrad.lab.memory)."""
+"""Lesson 05's facts: in-step micro-batching in model.fit (distgrad.train_step,
+distgrad.lab.memory)."""
 
 import functools
 
@@ -353,7 +354,8 @@ def test_static_batch_that_does_not_split_raises_at_trace_time(strategy2):
 def test_check_micro_batches_returns_the_slice_size_or_names_batch_sizes_that_work():
     assert check_micro_batches(16, 4, 2) == 2
     assert check_micro_batches(16, 1, 1) == 16
-    with pytest.raises(ValueError, match=r"multiple of accumulation_steps x replicas = 8 \(e.g. 8 or 16\)"):
+    with pytest.raises(ValueError,
+                       match=r"multiple of accumulation_steps x replicas = 8 \(e.g. 8 or 16\)"):
         check_micro_batches(12, 4, 2)
     with pytest.raises(ValueError, match="accumulation_steps must be an integer >= 1, got 0"):
         check_micro_batches(16, 0)

@@ -22,7 +22,7 @@ def _accumulating(module):
 def _error(call):
     try:
         call()
-    except Exception as err:  # noqa: BLE001 - the error is the observation
+    except Exception as err:  # the error is the observation
         return {"type": type(err).__name__, "message": str(err)}
     return None
 
@@ -281,9 +281,13 @@ def mixed_precision(replicas, x, y, overflowing, without, micro_batch, accumulat
 
     accumulating, k, keras = _accumulating("distgrad.tf_keras"), accumulation_steps, tf.keras
     inner = legacy_fit.OPTIMIZERS
-    scaled = lambda optimizer: keras.mixed_precision.LossScaleOptimizer(
-        optimizer, initial_scale=initial_scale)
-    stock_model = lambda: legacy_fit.tiny_model(mixed=True)
+
+    def scaled(optimizer):
+        return keras.mixed_precision.LossScaleOptimizer(optimizer, initial_scale=initial_scale)
+
+    def stock_model():
+        return legacy_fit.tiny_model(mixed=True)
+
     result = {}
     with legacy_fit.policy("mixed_float16"):
         with strategy.scope():

@@ -29,8 +29,8 @@ def run_script(path: str, names: list[str] | None = None, keras_module: str = "k
     namespace = {"__name__": "__main__", "__file__": path}
     error = None
     try:
-        exec(code, namespace)  # noqa: S102 - running the reproduction is the point
-    except Exception as err:  # noqa: BLE001 - what the script raised is the result
+        exec(code, namespace)  # running the reproduction is the point
+    except Exception as err:  # what the script raised is the result
         error = {"type": f"{type(err).__module__}.{type(err).__qualname__}",
                  "message": str(err)}
     return {"values": {n: namespace[n] for n in names or [] if n in namespace},

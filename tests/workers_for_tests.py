@@ -1,7 +1,8 @@
 """Child targets used only by tests: of the runners themselves (`distgrad.lab.child`,
-`distgrad.lab.multiworker`, `distgrad.lab.legacy`) and of what needs a fresh runtime. Children find this module through
-`PYTHONPATH` (see `TESTS_ON_PATH` in the tests); TensorFlow is imported only where
-a target needs it, so the other children start in a fraction of a second."""
+`distgrad.lab.multiworker`, `distgrad.lab.legacy`) and of what needs a fresh runtime.
+Children find this module through `PYTHONPATH` (see `TESTS_ON_PATH` in the tests);
+TensorFlow is imported only where a target needs it, so the other children start in a
+fraction of a second."""
 
 import dataclasses
 import os

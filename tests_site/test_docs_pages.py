@@ -78,7 +78,8 @@ def test_the_gpu_guide_statements_about_the_lessons_hold():
         and re.search(r"jit_compile\s*=\s*True|\"jit_compile\"|'jit_compile'", cell.source)
         and "ValueError" not in cell.source
     ]
-    assert compiled == [], f"cells that compile with jit_compile=True and assert no refusal: {compiled}"
+    assert compiled == [], (
+        f"cells that compile with jit_compile=True and assert no refusal: {compiled}")
     assert "Every lesson prints `distgrad.environment_report(strategy)`" in guide
     assert [n for n, s in sources.items() if "environment_report(" not in s] == []
 

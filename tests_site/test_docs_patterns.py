@@ -90,7 +90,8 @@ def test_diagram_placeholder_becomes_the_shared_diagram_with_its_caption(rendere
 def test_questions_md_says_which_lesson_answers_which_question():
     answered = hooks.questions_by_lesson((DOCS / "questions.md").read_text(encoding="utf-8"))
     assert answered["lessons/01_where_gradients_sync.ipynb"][0][0] == "q1"
-    sample = "## Q7 · One {#q7}\nsee (lessons/02_x.ipynb) and (lessons/03_y.ipynb#s)\n## Q8 · Two {#q8}\n(lessons/03_y.ipynb)\n"
+    sample = ("## Q7 · One {#q7}\nsee (lessons/02_x.ipynb) and (lessons/03_y.ipynb#s)\n"
+              "## Q8 · Two {#q8}\n(lessons/03_y.ipynb)\n")
     assert hooks.questions_by_lesson(sample) == {
         "lessons/02_x.ipynb": [("q7", "Q7 · One")],
         "lessons/03_y.ipynb": [("q7", "Q7 · One"), ("q8", "Q8 · Two")],
@@ -157,7 +158,8 @@ def _markdown_cell(heading: str) -> str:
     return (
         '<div class="jp-Cell jp-MarkdownCell jp-Notebook-cell" id="cell-id=m">\n'
         '<div class="jp-Cell-inputWrapper"><div class="jp-RenderedHTMLCommon jp-RenderedMarkdown '
-        f'jp-MarkdownOutput" data-mime-type="text/markdown">\n{heading}<p>text</p></div></div></div>'
+        'jp-MarkdownOutput" data-mime-type="text/markdown">\n'
+        f'{heading}<p>text</p></div></div></div>'
     )
 
 
@@ -169,7 +171,8 @@ _CODE_CELL = (
 
 def test_deep_dives_and_answers_collapse_up_to_the_next_heading_of_their_level():
     def h(level, text, anchor):
-        return f'<h{level} id="{anchor}">{text}<a class="headerlink" href="#{anchor}">¶</a></h{level}>'
+        link = f'<a class="headerlink" href="#{anchor}">¶</a>'
+        return f'<h{level} id="{anchor}">{text}{link}</h{level}>'
 
     cells = [
         _markdown_cell(h(2, "1 · The fix", "fix")), _CODE_CELL,

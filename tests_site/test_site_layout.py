@@ -23,7 +23,8 @@ PAGES = sorted(
     if "assets" not in p.parts
 ) if SITE.is_dir() else []
 # TeX a reader must never see as text: control words and $...$ spans around them.
-RAW_TEX = re.compile(r"\\(?:frac|sum|sqrt|cdot|times|text|mathrm|mathbf|left|right|approx|le|ge)\b|\$\$")
+RAW_TEX = re.compile(
+    r"\\(?:frac|sum|sqrt|cdot|times|text|mathrm|mathbf|left|right|approx|le|ge)\b|\$\$")
 
 
 def open_at_1280(page, path: str):
@@ -48,7 +49,9 @@ def test_the_site_has_pages():
 # page script runs) to read the rendered text. Rendering is unchanged.
 OPEN_SHADOW_ROOTS = """
 const attach = Element.prototype.attachShadow;
-Element.prototype.attachShadow = function (init) { return attach.call(this, {...init, mode: 'open'}); };
+Element.prototype.attachShadow = function (init) {
+  return attach.call(this, {...init, mode: 'open'});
+};
 """
 
 

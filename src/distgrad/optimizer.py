@@ -218,21 +218,32 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             setattr(self, option, getattr(inner_optimizer, option))
             setattr(inner_optimizer, option, None)
 
-    # Updates made: the inner optimizer's counter.
-    iterations = property(lambda self: self.inner_optimizer.iterations)
+    @property
+    def iterations(self):
+        """Updates made: the inner optimizer's counter."""
+        return self.inner_optimizer.iterations
 
-    # Never reset: BaseOptimizer's own `iterations` variable (checkpointed, ONLY_FIRST_REPLICA).
-    total_micro_steps = property(lambda self: self._iterations)
+    @property
+    def total_micro_steps(self):
+        """Micro-batches seen, never reset: BaseOptimizer's own `iterations` variable
+        (checkpointed, ONLY_FIRST_REPLICA)."""
+        return self._iterations
 
-    learning_rate = property(lambda self: self.inner_optimizer.learning_rate)
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate; setting it sets the inner optimizer's."""
+        return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
         if "inner_optimizer" in self.__dict__:  # BaseOptimizer.__init__ sets it earlier
             self.inner_optimizer.learning_rate = learning_rate
 
-    loss_scale_factor = property(lambda self: getattr(
-        self.__dict__.get("inner_optimizer"), "loss_scale_factor", None))
+    @property
+    def loss_scale_factor(self):
+        """The inner optimizer's (None until `__init__` sets `inner_optimizer`); assigning
+        it goes through `__setattr__`."""
+        return getattr(self.__dict__.get("inner_optimizer"), "loss_scale_factor", None)
 
     def __setattr__(self, name, value):
         # A wrapping LossScaleOptimizer sets `loss_scale_factor = None`: see `non_finite`.
@@ -244,10 +255,15 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self._under_loss_scaling = value is None
             self.overflow_checked_on_every_replica = False  # until the new wrapper says so
 
-    variables = property(lambda self: self._variables[:] + self.inner_optimizer.variables)
+    @property
+    def variables(self):
+        """The wrapper's variables, then the inner optimizer's."""
+        return self._variables[:] + self.inner_optimizer.variables
 
-    # The replica-local gradient sums, one per trainable variable.
-    accumulators = property(lambda self: list(self._accumulators))
+    @property
+    def accumulators(self):
+        """The replica-local gradient sums, one per trainable variable."""
+        return list(self._accumulators)
 
     def build(self, var_list):
         """Create accumulators and counters (under the strategy everything was created in)."""
@@ -279,10 +295,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                     name=f"{name.replace(':', '_')}_accumulated_gradient")
                 self._track_variable(accumulator)
                 self._accumulators.append(accumulator)
-            self.micro_steps, self.skipped_updates = (
-                self.add_variable((), initializer="zeros", dtype=self._iterations.dtype,
-                                  aggregation="only_first_replica", name=counter)
-                for counter in ("micro_steps", "skipped_updates"))
+            self.micro_steps = self.add_variable(
+                (), initializer="zeros", dtype=self._iterations.dtype,
+                aggregation="only_first_replica", name="micro_steps")
+            self.skipped_updates = self.add_variable(
+                (), initializer="zeros", dtype=self._iterations.dtype,
+                aggregation="only_first_replica", name="skipped_updates")
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self._built_under = strategy

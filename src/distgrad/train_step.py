@@ -375,7 +375,8 @@ class MicroBatching:
 
         trainable = self.trainable_variables
         if not trainable:
-            warnings.warn("The model does not have any trainable weights.")
+            # Keras' own train_step warns so, at the same stack level.
+            warnings.warn("The model does not have any trainable weights.", stacklevel=1)
         unconnected = set()  # positions of variables the loss does not depend on
 
         def body(i, accumulated):

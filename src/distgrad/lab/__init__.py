@@ -4,7 +4,8 @@ Tiny deterministic models and data (`data`), weight comparisons and the optimize
 (`compare`), the training recipes lessons compare (`recipes`, `accumulation`, `mixed`),
 graph inspection (`graph`), the call spy (`spy`), the simulated GPU+XLA path
 (`xla_path`), rendering on the page (`display`), the one argument guard (`args`), the
-child-process runner (`child`, its children forked by `fork_server`) and what runs on it
+child-process runner (`child`; on Linux its children are forked by `fork_server`, which
+runs a named module as `python -m` would and never imports `child`) and what runs on it
 (`legacy` with the tf-keras recipes of `legacy_fit`, `multiworker`, `workers`, `memory`,
 `resume`).
 """

@@ -8,8 +8,9 @@ checkpoint in a new runtime (`distgrad.lab.resume`), and the workers of a local
 
 The child runs `python -m distgrad.lab.child MODULE:FUNCTION KWARGS_PATH RESULT_PATH`
 (on Linux it is forked from a server that has imported TensorFlow but started no
-runtime: `distgrad.lab.fork_server`): it imports `MODULE`, calls `FUNCTION(**kwargs)`
-with the JSON object in `KWARGS_PATH`, and writes
+runtime, `distgrad.lab.fork_server`, which runs this module in it as `python -m` would;
+the server never imports this module, this module imports the server): it imports
+`MODULE`, calls `FUNCTION(**kwargs)` with the JSON object in `KWARGS_PATH`, and writes
 `{"value": <JSON of the return value>, "error": null | {"type", "message"}}` to
 `RESULT_PATH` (a raised exception's traceback also goes to its stderr). Return values
 may hold numpy arrays and scalars, eager tensors and dataclasses; they come back as
@@ -17,6 +18,13 @@ lists, dicts and Python numbers, non-finite floats as "nan", "inf", "-inf". The 
 ends with `os._exit`, so a collective still blocked on a dead peer cannot hang its
 interpreter's teardown. A child that exits without writing the file (`os._exit`,
 `sys.exit`, a crash) is reported as such, whatever its exit status.
+
+`DISTGRAD_CHILD_LOG=/path/file` (off when unset or empty) appends one JSON line per
+child to that file: `{"event": "start", "target", "forked", "new_server", "pid"}` when
+it starts (`new_server`: a fork server was started for it, and its start-up counts in
+this child's seconds) and `{"event": "result", "target", "forked", "pid", "seconds",
+"returncode"}` when its result is taken. Each line is one `write` to a file opened for
+appending, so children and test processes may share the file.
 
 This module imports only the standard library. The package's own `import distgrad`
 imports TensorFlow and Keras (to register distgrad's saveable classes), and in the
@@ -40,7 +48,9 @@ import traceback
 
 from distgrad.lab import fork_server
 
+MODULE = "distgrad.lab.child"  # what the child runs: `python -m MODULE ...`
 DEFAULT_TIMEOUT_S = 300.0
+LOG_ENV = "DISTGRAD_CHILD_LOG"
 
 # Started straight from a large process, a child's `ru_maxrss` would start at the
 # *parent's* peak: Linux carries the pre-exec memory map's high-water mark into the
@@ -127,6 +137,18 @@ def check_timeout(timeout) -> float:
     return float(timeout)
 
 
+def _log(**record) -> None:
+    """Append `record` as one JSON line to the file `DISTGRAD_CHILD_LOG` names, if set."""
+    path = os.environ.get(LOG_ENV)
+    if path:
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)  # one write: whole lines from concurrent processes
+        finally:
+            os.close(fd)
+
+
 def resolve(target: str):
     """The function named by `"package.module:function"` (imports the module)."""
     module_name, _, function_name = check_target(target).partition(":")
@@ -153,7 +175,7 @@ class Child:
         with open(kwargs_path, "w") as f:
             json.dump(kwargs or {}, f)
         stderr_path = os.path.join(self._dir.name, "stderr.txt")
-        self._stderr = open(stderr_path, "w+")  # noqa: SIM115 - result() reads, closes it
+        self._stderr = open(stderr_path, "w+")  # result() reads, closes it
         child_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         for name, value in (env or {}).items():
             if value is None:
@@ -165,19 +187,21 @@ class Child:
         self.started = time.monotonic()
         if self.forked:
             try:
-                self.process = fork_server.start(argv, child_env, stderr_path)
+                self.process = fork_server.start(MODULE, argv, child_env, stderr_path)
             except BaseException:
                 self._stderr.close()
                 self._dir.cleanup()
                 raise
         else:
-            command = [sys.executable, "-m", "distgrad.lab.child", *argv]
+            command = [sys.executable, "-m", MODULE, *argv]
             if trampoline:
                 command = [sys.executable, "-c", _TRAMPOLINE, *command]
             self.process = subprocess.Popen(command, env=child_env, stdout=subprocess.DEVNULL,
                                             stderr=self._stderr, start_new_session=True)
         self.finished: float | None = None
         self._result: ChildResult | None = None
+        _log(event="start", target=target, forked=self.forked,
+             new_server=bool(getattr(self.process, "new_server", False)), pid=self.process.pid)
 
     def poll(self) -> bool:
         """True once the child has exited (records its wall time)."""
@@ -211,6 +235,8 @@ class Child:
                 self.target, self.process.returncode, outcome is not None,
                 (outcome or {}).get("value"), (outcome or {}).get("error"), tail,
                 self.finished or 0.0)
+            _log(event="result", target=self.target, forked=self.forked, pid=self.process.pid,
+                 seconds=round(self._result.seconds, 4), returncode=self.process.returncode)
         return self._result
 
     def wait(self, timeout: float = DEFAULT_TIMEOUT_S) -> ChildResult:
@@ -250,7 +276,7 @@ def _main(argv: list[str]) -> None:
             kwargs = json.load(f)
         text = json.dumps({"value": to_json(resolve(target)(**kwargs)), "error": None})
         code = 0
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
+    except Exception as err:  # reported to the parent, which decides
         traceback.print_exc()
         text = json.dumps({"value": None,
                            "error": {"type": type(err).__name__, "message": str(err)}})

@@ -16,7 +16,12 @@ import textwrap
 
 
 def _cell(value) -> str:
-    text = value if isinstance(value, str) else repr(value) if isinstance(value, float) else str(value)
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, float):
+        text = repr(value)
+    else:
+        text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
 
 

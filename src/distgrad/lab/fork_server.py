@@ -3,10 +3,17 @@
 Importing TensorFlow and Keras costs a fresh interpreter about 5 s of CPU, more than
 most experiments that need a process of their own. A fork server pays it once: it
 imports them (its environment decides what the import sees), creates no runtime, and
-forks one child per request. Each child starts its TensorFlow runtime itself, so it
-gets its own devices, `TF_CONFIG` and logical-device setup, as a new interpreter running
-`python -m distgrad.lab.child` would; what it shares with the server is what importing
-TensorFlow and Keras did (NumPy's global generator is reseeded in the child).
+forks one child per request. A request names a module and its arguments, and the child
+runs it as `python -m MODULE ARGV...` would (`runpy.run_module` as `__main__`, with that
+`sys.argv`, session, standard files, directory, environment and `sys.path`); this module
+knows nothing of what the module does. Each child starts its TensorFlow runtime itself,
+so it gets its own devices, `TF_CONFIG` and logical-device setup, as a new interpreter
+would; what it shares with the server is what importing TensorFlow and Keras did
+(NumPy's global generator is reseeded in the child). The child ends with `os._exit`:
+status 0 when the module returns, `SystemExit`'s code as Python would turn it into a
+status, 1 with the traceback on its stderr when it raises (70 if the child could not be
+set up); unlike an interpreter's exit it runs no `atexit` handlers (they would be the
+server's, TensorFlow's teardown among them).
 
 One server serves every request whose environment differs from its own only in
 variables not read at import (`TF_CONFIG`, `PYTHONPATH`, `DISTGRAD_*`);
@@ -30,6 +37,7 @@ import gc
 import importlib
 import json
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -65,11 +73,14 @@ def server_env(env: dict) -> dict:
 
 class ForkedProcess:
     """A child forked by the server `server_pid`, with `subprocess.Popen`'s `pid`,
-    `returncode`, `poll()` and `wait(timeout)` (raising `subprocess.TimeoutExpired`)."""
+    `returncode`, `poll()` and `wait(timeout)` (raising `subprocess.TimeoutExpired`);
+    `new_server` says whether the server was started for it (its start-up is then part
+    of this child's start)."""
 
-    def __init__(self, status: socket.socket, args, server_pid: int):
+    def __init__(self, status: socket.socket, args, server_pid: int, new_server: bool = False):
         self.args = args
         self.server_pid = server_pid
+        self.new_server = new_server
         self.returncode: int | None = None
         self._status = status
         self._buffer = b""
@@ -107,7 +118,7 @@ class _Server:
 
     def __init__(self, env: dict):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr
+        self._log = tempfile.TemporaryFile()  # the server's stderr
         self.process = subprocess.Popen(
             [sys.executable, "-m", "distgrad.lab.fork_server", str(theirs.fileno())],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
@@ -155,18 +166,20 @@ _servers: dict[tuple, _Server] = {}
 _lock = threading.Lock()
 
 
-def start(argv: list[str], env: dict, stderr_path: str) -> ForkedProcess:
-    """Fork `python -m distgrad.lab.child *argv` with `env` from a matching server
+def start(module: str, argv: list[str], env: dict, stderr_path: str) -> ForkedProcess:
+    """Fork a child that runs `python -m module *argv` with `env`, from a matching server
     (started on first use), its stderr appended to `stderr_path`, stdout discarded."""
     base = server_env(env)
     key = tuple(sorted(base.items()))
-    request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stderr": stderr_path}
+    request = {"module": module, "argv": list(argv), "env": env, "cwd": os.getcwd(),
+               "stderr": stderr_path}
     with _lock:
         server = _servers.get(key)
-        if server is None or not server.alive():
+        new_server = server is None or not server.alive()
+        if new_server:
             server = _servers[key] = _Server(base)
         status = server.start(request)
-    return ForkedProcess(status, ["distgrad.lab.child", *argv], server.process.pid)
+    return ForkedProcess(status, ["-m", module, *argv], server.process.pid, new_server)
 
 
 @atexit.register
@@ -193,9 +206,22 @@ def _preload() -> None:
                            "a forked child could not configure its own devices.")
 
 
+def _exit_status(stop: SystemExit) -> int:
+    """The status an interpreter exits with on an uncaught `stop` (a code that is not an
+    integer is printed to stderr and gives 1, as Python does)."""
+    code = stop.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
 def _become_child(request: dict, session_made: int, base_path: list[str]) -> None:
-    """In the forked child: the session, files, directory, environment and `sys.path`
-    that `python -m distgrad.lab.child` would have had, then its `_main` (never returns)."""
+    """In the forked child: the session, files, directory, environment, `sys.path` and
+    `sys.argv` that `python -m MODULE ARGV...` would have had, then the module run as
+    `__main__`; ends with `os._exit` (never returns)."""
     try:
         os.setsid()
         os.close(session_made)  # the monitor may now report this pid (and kill its group)
@@ -213,13 +239,28 @@ def _become_child(request: dict, session_made: int, base_path: list[str]) -> Non
         # Python's `random` reseeds itself after a fork; NumPy's global generator does
         # not, and a fresh interpreter would seed it from the OS.
         sys.modules["numpy"].random.seed()
-        sys.argv = ["-m", *request["argv"]]
-        from distgrad.lab.child import _main
-
-        _main(request["argv"])
-    except BaseException:  # noqa: BLE001 - reported as the child's stderr and exit status
+        sys.argv = ["-m", *request["argv"]]  # run_module sets argv[0] to the module's file
+    except BaseException:  # reported as the child's stderr and exit status
         traceback.print_exc()
-    os._exit(70)
+        _flush_and_exit(70)
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stop:
+        code = _exit_status(stop)
+    except BaseException:  # as an interpreter reports an uncaught exception
+        traceback.print_exc()
+        code = 1
+    _flush_and_exit(code)
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream: nothing more to say
+            pass
+    os._exit(code)
 
 
 def _serve(control: socket.socket, base_path: list[str]) -> None:

@@ -234,8 +234,8 @@ def fresh_process_step_memory(accumulation_steps: int, batch_size: int = 2048,
     so that its peak RSS is its own, not this process'), so the peak RSS belongs to
     this configuration only. The child runs with oneDNN on (`TF_ENABLE_ONEDNN_OPTS=1`
     unless set here): TensorFlow enables it by default only on some CPUs, and without
-    it the CPU allocator keeps no statistic to read. Raises `ChildError` (a RuntimeError) with the child's
-    stderr tail if it fails, TimeoutError past `timeout` seconds.
+    it the CPU allocator keeps no statistic to read. Raises `ChildError` (a RuntimeError)
+    with the child's stderr tail if it fails, TimeoutError past `timeout` seconds.
     """
     record = run_child("distgrad.lab.memory:workload", {
         "accumulation_steps": accumulation_steps, "batch_size": batch_size,

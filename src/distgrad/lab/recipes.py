@@ -273,7 +273,8 @@ def fit_run(strategy, optimizer_factory, x, y, batch_size: int, epochs: int = 1,
     initial = weights_of(model)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     updates, total_micro_steps = _counters(model.optimizer)
-    return TrainingRun(initial, weights_of(model), updates, total_micro_steps, model, model.optimizer)
+    return TrainingRun(initial, weights_of(model), updates, total_micro_steps, model,
+                       model.optimizer)
 
 
 def custom_loop_run(strategy, optimizer_factory, x, y, batch_size: int,

@@ -59,7 +59,8 @@ def phase(name: str, workdir: str, replicas: int) -> dict:
     # `import distgrad` (the child's first import) registered AccumulatingOptimizer.
     with strategy.scope():
         model = keras.models.load_model(path)
-    restored = (int(model.optimizer.iterations.numpy()), int(model.optimizer.total_micro_steps.numpy()))
+    restored = (int(model.optimizer.iterations.numpy()),
+                int(model.optimizer.total_micro_steps.numpy()))
     model.fit(x[SPLIT:], y[SPLIT:], batch_size=MICRO_BATCH, shuffle=False, verbose=0)
     np.savez(os.path.join(workdir, "final.npz"), *weights_of(model))
     return {"restored_iterations": restored[0], "restored_micro_steps": restored[1],

@@ -131,7 +131,7 @@ def stock_loss_scale_overflow_on_one_replica(replicas: int = 2) -> LossScaleReco
             model.compile(optimizer=optimizer, loss="mse")
         try:
             model.fit(x, y, batch_size=global_batch, shuffle=False, verbose=0)
-        except Exception as err:  # noqa: BLE001 - the finding is what it raises
+        except Exception as err:  # the finding is what it raises
             error = {"type": type(err).__name__, "message": str(err)[:2000]}
     scale = model.optimizer.dynamic_scale.value
     copies = getattr(scale, "values", (scale,))
@@ -159,6 +159,6 @@ def xla_step_on_two_cpu_replicas() -> dict:
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
     try:
         model.fit(x, y, batch_size=8, verbose=0)
-    except Exception as err:  # noqa: BLE001 - the finding is what it raises
+    except Exception as err:  # the finding is what it raises
         return {"error": {"type": type(err).__name__, "message": str(err)[-1500:]}}
     return {"error": None}

@@ -88,7 +88,10 @@ def reproduce(strategy, micro_batches: int = 2, examples: int = 16,
     `layernorm_model` against its own big-batch step.
     """
     x, y = regression_data(examples)
-    sgd = lambda: keras.optimizers.SGD(learning_rate)
+
+    def sgd():
+        return keras.optimizers.SGD(learning_rate)
+
     trainable_positions = [i for i, w in enumerate(batchnorm_model().weights) if w.trainable]
 
     def trainable(weights):
@@ -109,7 +112,8 @@ def reproduce(strategy, micro_batches: int = 2, examples: int = 16,
         replicas_synchronized_bn=weight_diff(trainable(synced.final), reference),
         accumulated_micro_batches=weight_diff(
             [v.numpy() for v in accumulated.trainable_weights], reference),
-        one_device_update_max_abs=float(max(np.abs(a - b).max() for a, b in zip(reference, initial))),
+        one_device_update_max_abs=float(
+            max(np.abs(a - b).max() for a, b in zip(reference, initial))),
         accumulated_layer_norm=weight_diff(
             weights_of(layer_norm), big_batch_reference(sgd, x, y, model_factory=layernorm_model)),
     )

@@ -131,7 +131,7 @@ def _one_scenario(strategy, x_all, scenario, n, initial_scale) -> dict:
     try:
         model.fit(x_all[:len(y_all)], y_all, batch_size=scenario["batch_size"], epochs=1,
                   shuffle=False, verbose=0, callbacks=[trajectory])
-    except Exception as exc:  # noqa: BLE001 - the pitfall may be an exception: report it
+    except Exception as exc:  # the pitfall may be an exception: report it
         error = {"type": type(exc).__name__, "message": str(exc)}
     final = _weights(model)
     inner_class = type(optimizer.inner_optimizer)

@@ -14,9 +14,9 @@ if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
     raise ImportError("distgrad.pitfalls.legacy_outside_strategy_run is tf-keras code: run it "
                       "through distgrad.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-from distgrad.lab.legacy import legacy_strategy  # noqa: E402
+from distgrad.lab.legacy import legacy_strategy
 
 
 def apply_outside_run(replicas: int) -> dict:
@@ -40,6 +40,6 @@ def apply_outside_run(replicas: int) -> dict:
     try:
         with strategy.scope():
             optimizer.apply_gradients(zip(per_replica, model.trainable_variables))
-    except Exception as err:  # noqa: BLE001 - the error is the observation
+    except Exception as err:  # the error is the observation
         return {"type": type(err).__name__, "message": str(err)}
     return {"type": None, "message": None}

@@ -77,7 +77,10 @@ def reproduce(strategy, examples_per_replica: int = 8) -> LossObjectRecord:
         return loss
 
     x, y = regression_data(global_batch)
-    sgd = lambda: keras.optimizers.SGD(0.1)
+
+    def sgd():
+        return keras.optimizers.SGD(0.1)
+
     step = run_steps(strategy, sgd, x, y, replica_step)
     return LossObjectRecord(replicas, global_batch, *local,
                             loss_object_cross_replica_in_scope=in_scope,

@@ -19,9 +19,10 @@ tensor, so
 
 `reproduce_posted_answer` runs the posted answer as far as current TF lets it:
 `strategy.experimental_run_v2` no longer exists (renamed `run` in TF 2.2,
-tensorflow/tensorflow#37551; gone by TF 2.4, tensorflow/tensorflow#49187); with `strategy.run`, summing `experimental_local_results` into
-accumulators created as plain `tf.Variable`s under the scope (MirroredVariables)
-runs, but gathers every replica's gradients onto one device at every micro-step;
+tensorflow/tensorflow#37551; gone by TF 2.4, tensorflow/tensorflow#49187); with
+`strategy.run`, summing `experimental_local_results` into accumulators created as
+plain `tf.Variable`s under the scope (MirroredVariables) runs, but gathers every
+replica's gradients onto one device at every micro-step;
 the apply fails under the scope exactly like the question's, and *runs* outside it
 (`DistributedVariable._update` enters the variable's own strategy,
 `distribute_lib.enter_or_assert_strategy`), where, with the usual per-replica mean
@@ -56,7 +57,7 @@ class OutsideStrategyRunRecord:
 def _capture(fn) -> CapturedError | None:
     try:
         fn()
-    except Exception as err:  # noqa: BLE001 - the point is to record what TF raises
+    except Exception as err:  # the point is to record what TF raises
         return CapturedError.of(err)
     return None
 
@@ -196,7 +197,10 @@ def reproduce_posted_answer(strategy, accumulation_steps: int = 2, examples: int
     """Run the posted answer's approach with k micro-batches of `examples / k`."""
     run_v2_error = _capture(lambda: strategy.experimental_run_v2)
     x, y = regression_data(examples)
-    sgd = lambda: keras.optimizers.SGD(learning_rate)
+
+    def sgd():
+        return keras.optimizers.SGD(learning_rate)
+
     reference = big_batch_reference(sgd, x, y)
 
     # The true big-batch mean gradient at the initial weights.

@@ -69,7 +69,10 @@ def reproduce(strategy, l2: float = 0.01, learning_rate: float = 0.1,
     """
     x, y = regression_data(examples)
     replicas = strategy.num_replicas_in_sync
-    sgd = lambda: keras.optimizers.SGD(learning_rate)
+
+    def sgd():
+        return keras.optimizers.SGD(learning_rate)
+
     model, optimizer = tiny_model(), sgd()
     initial = weights_of(model)
     with tf.GradientTape() as tape:

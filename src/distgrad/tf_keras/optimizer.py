@@ -64,27 +64,24 @@ def _created_under(optimizer, strategy):
 
 
 def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) -> None:
-    kind = type(inner_optimizer)
-    for failed, error in (
-        (type(accumulation_steps) is not int or accumulation_steps < 1, ValueError(
-            "accumulation_steps must be an integer >= 1 (micro-batches per update), got "
-            f"{accumulation_steps!r}.")),
-        (non_finite not in NON_FINITE_POLICIES, ValueError(
-            f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")),
-        (bool(kwargs), ValueError(
-            f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on the inner "
-            "optimizer (tf-keras clips after its all-reduce, once per update).")),
-        (isinstance(inner_optimizer, keras.mixed_precision.LossScaleOptimizer), TypeError(
-            "Wrap the other way round: LossScaleOptimizer(AccumulatingOptimizer(inner, k)) "
-            "(model.compile does it under mixed_float16), so that each micro-batch is "
-            "unscaled and checked before it is accumulated.")),
-        (not isinstance(inner_optimizer, (keras.optimizers.Optimizer, OptimizerV2)), TypeError(
-            f"AccumulatingOptimizer wraps a tf-keras optimizer instance, got {kind.__name__} "
-            f"from {kind.__module__}. Pass e.g. tf.keras.optimizers.Adam(...) or "
-            "tf.keras.optimizers.legacy.SGD(...).")),
-    ):
-        if failed:
-            raise error
+    if type(accumulation_steps) is not int or accumulation_steps < 1:
+        raise ValueError("accumulation_steps must be an integer >= 1 (micro-batches per "
+                         f"update), got {accumulation_steps!r}.")
+    if non_finite not in NON_FINITE_POLICIES:
+        raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
+    if kwargs:
+        raise ValueError(f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on "
+                         "the inner optimizer (tf-keras clips after its all-reduce, once per "
+                         "update).")
+    if isinstance(inner_optimizer, keras.mixed_precision.LossScaleOptimizer):
+        raise TypeError("Wrap the other way round: LossScaleOptimizer(AccumulatingOptimizer("
+                        "inner, k)) (model.compile does it under mixed_float16), so that each "
+                        "micro-batch is unscaled and checked before it is accumulated.")
+    if not isinstance(inner_optimizer, (keras.optimizers.Optimizer, OptimizerV2)):
+        kind = type(inner_optimizer)
+        raise TypeError(f"AccumulatingOptimizer wraps a tf-keras optimizer instance, got "
+                        f"{kind.__name__} from {kind.__module__}. Pass e.g. "
+                        "tf.keras.optimizers.Adam(...) or tf.keras.optimizers.legacy.SGD(...).")
 
 
 class _CallableList(list):
@@ -199,7 +196,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                                            trainable=False)
         self._variables.append(self._iterations)
 
-    learning_rate = property(lambda self: self.inner_optimizer.learning_rate)
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate; setting it sets the inner optimizer's."""
+        return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):  # callbacks set it through the wrapper
@@ -254,9 +254,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                         synchronization=tf.VariableSynchronization.ON_READ,
                         aggregation=tf.VariableAggregation.SUM) for v in var_list]
         self._variables.extend(self._accumulators)  # saved by `model.save` too
-        self.micro_steps, self.total_micro_steps, self.skipped_updates = (
-            self.add_variable((), tf.int64, name=name)
-            for name in ("micro_steps", "total_micro_steps", "skipped_updates"))
+        self.micro_steps = self.add_variable((), tf.int64, name="micro_steps")
+        self.total_micro_steps = self.add_variable((), tf.int64, name="total_micro_steps")
+        self.skipped_updates = self.add_variable((), tf.int64, name="skipped_updates")
         if isinstance(self.inner_optimizer, OptimizerV2):
             self.inner_optimizer._create_all_weights(var_list)  # its slots, now, not in a trace
         else:

@@ -1,0 +1,73 @@
+"""The status of each upstream report, as tests/version_matrix.py derives it from the
+per-test results of tests/test_upstream_reports.py (no TensorFlow: the driver's own logic).
+"""
+
+from __future__ import annotations
+
+import version_matrix as matrix
+
+RUN = "test_each_reproduction_shows_what_the_page_says[lazy_slot_creation-{}]"
+GONE = ("AssertionError: ('lazy_slot_creation', 'keras') no longer raises tensorflow.python."
+        "framework.errors_impl.InvalidArgumentError: fixed upstream? … assert None is not None")
+REWORDED = ("AssertionError: merge_call called … assert 'Exception encountered when calling "
+            "Cond.call()' in 'merge_call called'")
+
+
+def cell(tf: str, keras: str, keras_run: str = "pass", message: str = "") -> dict:
+    tests = {RUN.format("keras"): {"status": keras_run} | ({"message": message} if message
+                                                            else {}),
+             RUN.format("tf_keras"): {"status": "pass"}}
+    return {"date": "2026-12-04", "versions": {"tensorflow": tf, "keras": keras,
+                                               "tf_keras": tf, "python": "3.11.7"},
+            "upstream": {"tests": tests}}
+
+
+def row(results: dict) -> str:
+    [line] = [line for line in matrix.status_table(results).splitlines()
+              if "(#lazy-slot-creation)" in line]
+    return line
+
+
+def test_a_defect_seen_on_the_newest_release_and_the_nightly_reproduces():
+    line = row({"tf2.21": cell("2.21.0", "3.15.1"), "nightly": cell("2.23.0.dev1", "3.16.0.dev1")})
+    assert "| reproduces | tf2.21, nightly | — |" in line
+
+
+def test_a_defect_whose_exception_is_gone_on_the_nightly_is_fixed_there():
+    line = row({"tf2.21": cell("2.21.0", "3.15.1"),
+                "nightly": cell("2.23.0.dev1", "3.16.0.dev1", "failure", GONE)})
+    assert "fixed in nightly (Keras 3 run: no longer raises `InvalidArgumentError`)" in line
+    assert line.endswith("| tf2.21 | nightly |")
+
+
+def test_another_message_or_an_error_is_a_change_not_a_fix():
+    line = row({"tf2.21": cell("2.21.0", "3.15.1"),
+                "nightly": cell("2.23.0.dev1", "3.16.0.dev1", "failure", REWORDED)})
+    assert "changed in nightly (Keras 3 run: the same exception, without `Exception " in line
+    line = row({"tf2.21": cell("2.21.0", "3.15.1"),
+                "nightly": cell("2.23.0.dev1", "3.16.0.dev1", "error", "ImportError: no")})
+    assert "changed in nightly (Keras 3 run: `ImportError: no`)" in line
+
+
+def test_a_release_that_fails_after_one_that_passes_fixed_it():
+    line = row({"tf2.20": cell("2.20.0", "3.15.1"),
+                "tf2.21": cell("2.21.0", "3.16.0", "failure", GONE),
+                "nightly": cell("2.23.0.dev1", "3.16.0.dev1", "failure", GONE)})
+    assert "fixed in release tf2.21 (Keras 3 run: no longer raises" in line
+    assert line.endswith("| tf2.20 | tf2.21, nightly |")
+
+
+def test_cells_without_per_test_results_are_not_recorded_rather_than_passed():
+    old = {"date": "2026-12-03", "versions": {"tensorflow": "2.16.2", "keras": "3.15.1"},
+           "tests": {matrix.UPSTREAM_TESTS: {"status": "pass"}}}
+    assert "| not recorded on a release | — | — |" in row({"tf2.16": old})
+    both = {"tf2.16": old, "tf2.21": cell("2.21.0", "3.15.1")}
+    assert "| reproduces (nightly: not recorded) | tf2.21 | — |" in row(both)
+    assert "* Not recorded per report: tf2.16 " in matrix.status_table(both)
+
+
+def test_the_page_test_is_no_report_run():
+    assert not matrix.DEFECT_TEST.match(
+        "test_each_section_names_the_versions_its_reproduction_ran_on_here[lazy_slot_creation]")
+    run = matrix.DEFECT_TEST.match(RUN.format("tf_keras"))
+    assert run.groups() == ("lazy_slot_creation", "tf_keras")
