@@ -970,9 +970,10 @@ assert k1.mask_vs_big_batch.within() and k1.mask_iterations == 2
 # wrong in the question's order. The check that raises it:
 
 # %%
-check_start = tf_keras_source.index("(isinstance(inner_optimizer, keras.mixed_precision.LossScale")
-print(tf_keras_source[check_start:tf_keras_source.index("\n", check_start)].strip())
-assert "TypeError(\n            \"Wrap the other way round" in tf_keras_source[check_start:]
+check_start = tf_keras_source.index("if isinstance(inner_optimizer, keras.mixed_precision.")
+check = tf_keras_source[check_start:tf_keras_source.index("if not isinstance", check_start)]
+print(check.strip())
+assert 'raise TypeError("Wrap the other way round' in check.splitlines()[1]
 
 # %% [markdown]
 # ## Further reading
