@@ -89,7 +89,8 @@ def test_the_trampoline_gives_the_child_a_peak_rss_of_its_own(monkeypatch):
     assert isolated < ours / 2
 
 
-def test_children_are_forked_from_one_server_and_each_starts_its_own_runtime():
+def test_children_are_forked_from_one_server_and_each_starts_its_own_runtime(monkeypatch):
+    monkeypatch.setenv(fork_server.ENV, "1")  # also when the suite runs with the server off
     # DISTGRAD_REPLICAS is read when the child makes its strategy: 3 logical devices in
     # one child, 1 in the next, from the same server, so the server started no runtime.
     children = {n: Child("workers_for_tests:replicas_in_sync",
@@ -114,7 +115,9 @@ def test_the_fork_server_can_be_turned_off_and_a_bad_switch_is_refused(monkeypat
         Child("workers_for_tests:plain_values", env=TESTS_ON_PATH)
 
 
-def test_a_server_that_cannot_start_is_reported_with_the_switch_that_avoids_it(tmp_path):
+def test_a_server_that_cannot_start_is_reported_with_the_switch_that_avoids_it(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv(fork_server.ENV, "1")
     with pytest.raises(RuntimeError, match=r"the fork server did not start \(set "
                                            r"DISTGRAD_FORK_SERVER=0"):
         Child("workers_for_tests:plain_values",
@@ -157,8 +160,8 @@ PROBE = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.skipif(not fork_server.enabled(), reason="children are not forked here")
 def test_the_fork_server_runs_any_module_as_python_dash_m_would(tmp_path):
+    # fork_server.start forks whatever DISTGRAD_FORK_SERVER says (`Child` reads the switch).
     (tmp_path / "fork_probe.py").write_text(PROBE)
     # TF_CPP_MIN_LOG_LEVEL as `Child` sets it: the server the other tests started serves us.
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(tmp_path)}
