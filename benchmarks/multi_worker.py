@@ -17,14 +17,15 @@ between separate hosts would. Where `unshare --net` is refused, the workers run 
 namespace, bytes are not measured and the rate-limited configuration is skipped, and the
 JSON says why.
 
-Per configuration (workers, rate), for each k, in paired interleaved rounds
-(`benchmarks.worker_bench`): the plain per-micro-batch step (one update and one
-all-reduce per micro-batch), `GradientAccumulator` and `AccumulatingOptimizer` (custom
-loop), `MicroBatching` (fit's `train_step`) and the 0/1 mask trick (fit), each training
-the same block of micro-batches of `per_worker_batch` examples per worker; and the
-*compute-only* step: the plain step on a model outside the strategy, on every worker at
-once (the same per-worker work on the same cores, no all-reduce). One more configuration
-runs the compute-only step on one worker alone.
+Per configuration (workers, rate), for each k in a cluster of its own (a worker process
+keeps the memory it allocated), in paired interleaved rounds (`benchmarks.worker_bench`):
+the plain per-micro-batch step (one update and one all-reduce per micro-batch),
+`GradientAccumulator` and `AccumulatingOptimizer` (custom loop), `MicroBatching` (fit's
+`train_step`) and the 0/1 mask trick (fit), each training the same block of
+micro-batches of `per_worker_batch` examples per worker; and the *compute-only* step: the
+plain step on a model outside the strategy, on every worker at once (the same per-worker
+work on the same cores, no all-reduce). One more configuration runs the compute-only
+step on one worker alone.
 
 Reported: time per example (the block's time / examples of all workers), loopback bytes
 per update, and per (configuration, approach) a least-squares fit of time per example
@@ -133,14 +134,32 @@ def _inside(job_path: str, out_path: str) -> None:
                             job["rate"], "burst", "1mb", "latency", "100ms"], check=True)
     from distgrad.lab.multiworker import run_workers
 
-    results = run_workers("benchmarks.worker_bench:bench_worker", num_workers=job["workers"],
-                          timeout=job["timeout"], env={"PYTHONPATH": str(ROOT)},
-                          sizes=job["sizes"], ks=job["ks"], rounds=job["rounds"],
-                          keys=job["keys"], threads=threads_per_worker(job["workers"]))
-    for result in results:
-        result.check()
+    # One cluster per k: a worker process keeps what it allocated (4 workers measured
+    # here: about 2 GB each for k = 16 alone, 5 GB each after all five k in one process).
+    per_k = []
+    for k in job["ks"]:
+        results = run_workers("benchmarks.worker_bench:bench_worker",
+                              num_workers=job["workers"], timeout=job["timeout"],
+                              env={"PYTHONPATH": str(ROOT)}, sizes=job["sizes"], ks=[k],
+                              rounds=job["rounds"], keys=job["keys"],
+                              threads=threads_per_worker(job["workers"]))
+        per_k.append([result.check().value for result in results])
     with open(out_path, "w") as f:
-        json.dump([result.value for result in results], f)
+        json.dump(merge_clusters(per_k), f)
+
+
+def merge_clusters(per_k: list) -> list:
+    """One JSON per worker from one list of workers' JSON per k (pure function)."""
+    merged = []
+    for runs in zip(*per_k):  # the same worker in each cluster
+        worker = dict(runs[0])
+        worker["times"] = {k: t for run in runs for k, t in run["times"].items()}
+        worker["bytes"] = None if runs[0]["bytes"] is None else {
+            k: b for run in runs for k, b in run["bytes"].items()}
+        worker["per_replica_batch"] = next((run["per_replica_batch"] for run in runs
+                                            if run["per_replica_batch"] is not None), None)
+        merged.append(worker)
+    return merged
 
 
 def run_config(config: dict, sizes: dict, refusal: str | None, timeout: float) -> dict:

@@ -143,3 +143,15 @@ def test_loopback_bytes_reads_this_namespace_counter():
     before = loopback_bytes()
     assert isinstance(before, int) and before >= 0
     assert multi_worker.threads_per_worker(1) >= multi_worker.threads_per_worker(4) >= 1
+
+
+def test_clusters_of_one_k_each_merge_into_one_record_per_worker():
+    def run(k, chief):
+        return {"times": {k: {"plain": [1.0]}}, "bytes": {k: {"plain": [8]}} if chief else None,
+                "parameters": 10, "threads": 1, "per_replica_batch": 4 if k == "2" else None}
+
+    merged = multi_worker.merge_clusters([[run("1", True), run("1", False)],
+                                          [run("2", True), run("2", False)]])
+    assert [sorted(w["times"]) for w in merged] == [["1", "2"], ["1", "2"]]
+    assert sorted(merged[0]["bytes"]) == ["1", "2"] and merged[1]["bytes"] is None
+    assert merged[0]["per_replica_batch"] == 4
