@@ -118,7 +118,7 @@ test: install
 
 # Benchmarks (about 25 minutes on 2 cores, not part of `make test`): the one-process
 # comparison (results.json) and the worker-process one (multi_worker.json; `unshare --net`
-# needs root; 4 workers peaked at about 20 GB), with the generated tables and plots in
+# needs root; 4 workers peaked at about 8 GB), with the generated tables and plots in
 # docs/performance/ (docs/performance.md includes them); `--quick` on either module for a
 # smoke run.
 bench: install
