@@ -9,11 +9,14 @@ them. `benchmarks.fit_runners` and `benchmarks.loop_runners` hold the runners,
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from distgrad.lab.args import positive_int
 from distgrad.pitfalls import CapturedError
@@ -82,8 +85,21 @@ def sgd(**kwargs):
 
 
 def sync_devices():
-    # Wait for every device: on GPUs a function call returns before its kernels finish.
-    tf.test.experimental.sync_devices()
+    """Wait for this process' devices: on GPUs a function call returns before its kernels
+    finish.
+
+    `tf.test.experimental.sync_devices` with the other workers' devices left out: it
+    syncs every logical device, and on a multi-worker cluster those include the other
+    workers', which it cannot reach ("Haven't set up remote eager worker"). A device name
+    without `/job:` is local (one process, no cluster).
+    """
+    task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
+    mine = f"/job:{task.get('type')}/replica:0/task:{task.get('index')}/"
+    for device in tf.config.list_logical_devices():
+        if "/job:" not in device.name or mine in device.name:
+            with tf.device(device.name):
+                tf.raw_ops.SyncDevice()
+    context.async_wait()  # as tf.test.experimental.sync_devices: queued async ops
 
 
 def variable_bytes(variable) -> int:

@@ -48,31 +48,6 @@ def loopback_bytes() -> int | None:
     return None
 
 
-def sync_local_devices():
-    """Wait for this worker's own GPUs (a call returns before their kernels finish).
-
-    `tf.test.experimental.sync_devices`, which the one-process runners call, also names
-    the other workers' devices and fails on a multi-worker cluster ("Haven't set up
-    remote eager worker"). CPU ops run synchronously: nothing to wait for. (The GPU
-    branch has not run: no GPU machine was lent when this was written.)
-    """
-    import tensorflow as tf
-
-    for device in tf.config.list_logical_devices("GPU"):
-        if "/job:" in device.name and "/task:" in device.name and not _is_mine(device.name):
-            continue
-        with tf.device(device.name):
-            tf.raw_ops.SyncDevice()
-
-
-def _is_mine(device_name: str) -> bool:
-    import json
-    import os
-
-    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
-    return f"/job:{task.get('type')}/replica:0/task:{task.get('index')}/" in device_name
-
-
 def _runner_classes():
     """{key: runner class}, imported in the worker (TensorFlow is imported here)."""
     from benchmarks.fit_runners import MaskTrickFit, MicroBatchingFit
@@ -141,9 +116,6 @@ def bench_worker(task_index: int, num_workers: int, sizes: dict, ks: list, round
     def barrier():
         barrier_step()
 
-    from benchmarks import runners as shared
-
-    shared.sync_devices = sync_local_devices  # `shared.timed` calls it around each block
     classes = _runner_classes()
     times, block_bytes, parameters, per_replica_batch = {}, {}, None, None
     for k in ks:

@@ -620,7 +620,7 @@ def main(argv=None) -> int:
                         help="with --cell: run only tests/test_upstream_reports.py in the "
                              "existing environment ENV, which must have the cell's versions, "
                              "and record its per-test results in the cell's record")
-    parser.add_argument("--tables", "--tables-only", action="store_true",
+    parser.add_argument("--tables", action="store_true",
                         help="only re-render the tables (docs/versions/*.md) from matrix.json")
     args = parser.parse_args(argv)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
