@@ -56,13 +56,16 @@ site-test: install chromium
 	CHROMIUM=$(CHROMIUM) $(PY) -m pytest tests_site -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 # Installs Chromium with apt when it is missing and we are root (CI); otherwise says how.
+# The questions page has Chinese prose: Chromium draws it with a CJK font (fonts-noto-cjk),
+# which fontconfig's fc-list must list for Chinese; without one it draws boxes.
 chromium:
-	@test -x $(CHROMIUM) || command -v $(CHROMIUM) >/dev/null 2>&1 || { \
+	@{ test -x $(CHROMIUM) || command -v $(CHROMIUM) >/dev/null 2>&1; } \
+	  && fc-list :lang=zh family 2>/dev/null | grep -q . || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-dejavu-core; \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-dejavu-core fonts-noto-cjk fontconfig; \
 	  else \
-	    echo "Headless Chromium is needed for the browser check of the site (make site-test)."; \
-	    echo "Install it, e.g. 'sudo apt-get install chromium' on Debian/Ubuntu, or point CHROMIUM=/path/to/chromium at one."; \
+	    echo "Headless Chromium and a CJK font are needed for the browser check of the site (make site-test)."; \
+	    echo "Install them, e.g. 'sudo apt-get install chromium fonts-noto-cjk' on Debian/Ubuntu, or point CHROMIUM=/path/to/chromium at one."; \
 	    exit 1; \
 	  fi; }
 

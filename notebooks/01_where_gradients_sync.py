@@ -21,14 +21,20 @@
 # only the losses. Where are the gradients summed: does `strategy.run` do it? Could that explain
 # unstable losses?
 #
-# **Short answer.** `strategy.run(train_step)` runs `train_step` once per replica and sums
-# nothing. Such code is in **replica context**: one copy per device, each on its own slice of the
-# batch. Code that runs once for all replicas (your loop, `strategy.reduce`) is in
-# **cross-replica context**. The sum happens in `optimizer.apply_gradients`: called in replica
-# context, it adds up the gradients of all replicas (an *all-reduce* with SUM) and writes one
-# update into every replica's copy of the weights. So each replica divides its loss by the
-# **global** batch size; dividing by its own slice makes every step R times too large (R
-# replicas): a real cause of unstable losses.
+# **Short answer.** The tutorial's code is right as written: section 1 runs it (its
+# `compute_loss` divides by the global batch) and it equals one device. `strategy.run(train_step)`
+# runs `train_step` once per replica and sums nothing. Such code is in **replica context**: one
+# copy per device, each on its own slice of the batch. Code that runs once for all replicas
+# (your loop, `strategy.reduce`) is in **cross-replica context**. The sum happens in
+# `optimizer.apply_gradients`: called in replica context, it adds up the gradients of all
+# replicas (an *all-reduce* with SUM) and writes one update into every replica's copy of the
+# weights. So each replica divides its loss by the **global** batch size; dividing by its own
+# slice makes every SGD or momentum step R times too large (R replicas). Adam divides by the
+# gradient's own scale: there the same mistake only shrinks its ε by R (section 2). On
+# **Keras 3.0–3.4** `apply_gradients` sums nothing across replicas: each copy moves by its own
+# replica's gradient (keras-team/keras#19969, fixed in 3.5;
+# [versions](../versions.md#below-the-bounds)). Other causes: the
+# [checklist](#unstable-only-on-several-gpus-a-checklist).
 
 # %%
 import tensorflow as tf
@@ -143,11 +149,10 @@ assert calls[("StrategyExtendedV2.batch_reduce_to", "cross-replica")] == 1  # on
 assert calls[("TFOptimizer._distributed_tf_update_step", "cross-replica")] == 1  # one update
 
 # %% [markdown]
-# `apply_gradients` asks for `ReplicaContext.all_reduce(SUM)` (Keras ≥ 3.5; older Keras 3
-# [summed nothing](../versions.md#below-the-bounds)). `MirroredStrategy` answers with a
-# `merge_call`: every replica stops, and one function runs once, in cross-replica context, where
-# one `batch_reduce_to` sums all gradients. A second `merge_call` writes the update into every
-# copy:
+# `apply_gradients` asks for `ReplicaContext.all_reduce(SUM)` (Keras ≥ 3.5). `MirroredStrategy`
+# answers with a `merge_call`: every replica stops, and one function runs once, in cross-replica
+# context, where one `batch_reduce_to` sums all gradients. A second `merge_call` writes the
+# update into every copy:
 #
 # <div class="diagram" data-diagram="call-path">
 #
@@ -206,10 +211,9 @@ assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 # ### Divide the loss by the global batch
 #
 # The all-reduce is a **SUM**. A mean over a replica's own `GLOBAL_BATCH / R` examples weighs
-# each example R times more than the full-batch mean does, so the sum is exactly R times the
-# full-batch mean gradient: with SGD, a step R times too large. `per_replica_mean.reproduce` runs
-# one SGD step with each loss below, against one big-batch step on one device
-# (`sgd_update_ratio`):
+# each example R times more than the full-batch mean, so the sum is R times the full-batch mean
+# gradient. `per_replica_mean.reproduce` runs one SGD step with each loss below against one
+# big-batch step on one device (`sgd_update_ratio`):
 
 # %%
 from distgrad.lab.recipes import replica_loss, sgd_update_ratio
@@ -228,6 +232,43 @@ assert abs(mean_record.ratio - R) < 1e-6 * R  # the update is R times the one-de
 assert abs(mean_record.global_scaling_ratio - 1) < 1e-6  # compute_average_loss gets it right
 
 # %% [markdown]
+# Momentum's first step is SGD's, R times too large
+# ([deep dive](#deep-dive-momentum-adam-and-adamw-give-the-one-device-weights-too)). Adam
+# divides the gradient's running mean by its root mean square plus ε, so R times every
+# gradient is one device's Adam with ε / R: the step keeps its size. Three Adam steps:
+
+# %%
+from distgrad.lab.compare import OPTIMIZERS, check_close, update_ratio, updates, weights_of
+from distgrad.lab.data import regression_data, tiny_model
+from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
+
+lab_x, lab_y = regression_data(GLOBAL_BATCH)  # the data per_replica_mean.reproduce used
+mean_step = make_replica_step(GLOBAL_BATCH, "per_replica_mean")  # the mistake
+adam = run_steps(strategy, OPTIMIZERS["adam"], lab_x, lab_y, mean_step, steps=3)  # Adam(0.01)
+adam_eps_over_r = big_batch_reference(lambda: keras.optimizers.Adam(0.01, epsilon=1e-7 / R),
+                                      lab_x, lab_y, steps=3)
+adam_diff = check_close(adam.final, adam_eps_over_r)  # rtol = atol = 1e-6
+print(f"vs one device's Adam(0.01, epsilon=1e-7 / R): max abs diff {adam_diff.max_abs:.1e}")
+assert OPTIMIZERS["adam"]().epsilon == 1e-7  # Keras' default
+
+# %% [markdown]
+# ### Unstable only on several GPUs? A checklist
+#
+# Causes one device does not have; each pitfall gives symptom, cause, fix and its lesson.
+#
+# | cause | check | pitfall |
+# |---|---|---|
+# | each replica's loss is its own slice's mean | `strategy.reduce(SUM, losses)` is one device's mean loss, not R times it | [per-replica mean](../pitfalls.md#per-replica-mean) |
+# | a Keras 3 loss object (already ÷ R) divided again | the loss object as is, or `reduction=None` + `compute_average_loss`, not both | [loss object](../pitfalls.md#loss-object-scaling) |
+# | a weight penalty added on every replica | it goes through `tf.nn.scale_regularization_loss` | [regularization](../pitfalls.md#regularization-scaling) |
+# | a smaller last batch divided by `GLOBAL_BATCH` | `drop_remainder=True`, or divide by the examples counted | [last batch](../pitfalls.md#last-batch-scaling) |
+# | gradients all-reduced by hand, then by `apply_gradients` | one all-reduce in the traced step (`distgrad.lab.graph.count_collectives`) | [double sum](../pitfalls.md#double-sum) |
+# | `clipnorm` or `global_clipnorm` in the optimizer | none there; `distgrad.clip_by_global_norm_across_replicas` | [clipping](../pitfalls.md#clip-before-sync) |
+# | `BatchNormalization` | `synchronized=True` | [BatchNorm](../pitfalls.md#batchnorm-statistics) |
+# | `mixed_float16`: Keras' loss-scale wrapper reads replica 0 only | `distgrad.AllReplicasFiniteLossScaleOptimizer` | [loss scale](../pitfalls.md#lso-first-replica-finite) |
+# | Keras 3.0–3.4 | `keras.__version__` ≥ 3.5 | [versions](../versions.md#below-the-bounds) |
+
+# %% [markdown]
 # ### Deep dive · What `strategy.reduce(SUM, per_replica_losses)` does and doesn't do
 #
 # It only **reports**: it moves the scalar losses to the host. With global-batch scaling each
@@ -242,10 +283,6 @@ assert abs(mean_record.global_scaling_ratio - 1) < 1e-6  # compute_average_loss 
 # %%
 import textwrap
 
-from distgrad.lab.compare import OPTIMIZERS, check_close, weights_of
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.recipes import big_batch_reference, run_steps
-
 
 def lab_step(model, optimizer, x, y):
     """The fix's train_step, its model and optimizer passed in."""
@@ -257,7 +294,6 @@ def lab_step(model, optimizer, x, y):
     return loss
 
 
-lab_x, lab_y = regression_data(GLOBAL_BATCH)  # the data per_replica_mean.reproduce used
 sgd = OPTIMIZERS["sgd"]  # keras.optimizers.SGD(0.1)
 
 # %%
@@ -295,6 +331,21 @@ for name, make in OPTIMIZERS.items():
     rows.append((name, f"{diff.max_abs:.1e}", run.iterations))
     assert run.copies_agree and run.iterations == 3
 show_table(["optimizer", f"max abs diff, {R} replicas vs 1 device", "optimizer.iterations"], rows)
+
+# %% [markdown]
+# With the per-replica mean instead, the first update against one device's: R times with
+# momentum (its first step is SGD's), the same size with Adam.
+
+# %%
+ratios = {}
+for name in ("sgd", "momentum", "adam"):
+    run = run_steps(strategy, OPTIMIZERS[name], lab_x, lab_y, mean_step)
+    one_device = big_batch_reference(OPTIMIZERS[name], lab_x, lab_y)
+    ratios[name] = update_ratio(updates(run.final, run.initial), updates(one_device, run.initial))
+print("per-replica mean, first update vs one device:",
+      ", ".join(f"{name} x{ratio:.6f}" for name, ratio in ratios.items()))
+assert abs(ratios["sgd"] - R) < 1e-6 * R and abs(ratios["momentum"] - R) < 1e-6 * R
+assert abs(ratios["adam"] - 1) < 1e-3  # only epsilon tells R * g from g
 
 # %% [markdown]
 # ### Deep dive · A Keras 3 loss object is already divided by R
@@ -388,13 +439,13 @@ assert record.all_reduces == 2
 # %% [markdown]
 # ## 3 · The packaged form
 #
-# The fix needs no class: the optimizer *is* the sync (with k micro-batches per update, the loop
-# is `distgrad.GradientAccumulator`, [lesson 02](02_accumulate_in_custom_loop.ipynb)). distgrad
-# ships one function for where Keras 3's sync goes wrong, **clipping**: the optimizer clips
-# (`clipnorm`, `global_clipnorm`) *before* its all-reduce, so each replica's part is clipped,
-# not the whole gradient. Clip the sum instead: call this between `tape.gradient` and
-# `apply_gradients`, with an optimizer that does not clip. One more all-reduce gives the norm of
-# the summed gradient G; every replica scales its part by the same `min(1, c / ‖G‖)`.
+# The fix needs no class: the optimizer *is* the sync (k micro-batches per update:
+# `distgrad.GradientAccumulator`, [lesson 02](02_accumulate_in_custom_loop.ipynb)). distgrad
+# ships one function, for **clipping**: Keras 3's optimizer clips (`clipnorm`,
+# `global_clipnorm`) each replica's part *before* its all-reduce. Call this between
+# `tape.gradient` and `apply_gradients`, with an optimizer that does not clip: one more
+# all-reduce gives the norm of the summed gradient G; every replica scales its part by
+# `min(1, c / ‖G‖)`.
 
 # %%
 show_code(distgrad.clip_by_global_norm_across_replicas)
@@ -403,14 +454,10 @@ show_code(distgrad.clip_by_global_norm_across_replicas)
 # <div class="admonition warning">
 # <p class="admonition-title">Limits</p>
 #
-# * **A partial last batch.** The fix drops the epoch's leftover examples. To train on them,
-#   see [Exercise 1](#exercise-1-the-smaller-last-batch).
-# * **Clipping in the optimizer** clips each replica's part: clip the sum (section 3, measured
-#   in the [deep dive](#deep-dive-clipping-before-the-sync-measured);
-#   [the pitfall](../pitfalls.md#clip-before-sync)).
-# * **BatchNorm** in training normalizes by each replica's slice, not the global batch
-#   ([lesson 07](07_beyond_the_basics.ipynb); [the pitfall](../pitfalls.md#batchnorm-statistics)).
-#   The fix's model has none.
+# * **A partial last batch.** The fix drops the epoch's leftover examples
+#   ([Exercise 1](#exercise-1-the-smaller-last-batch) trains on them).
+# * **Clipping in the optimizer** and **BatchNorm**: the checklist's rows (clipping measured
+#   in the [deep dive](#deep-dive-clipping-before-the-sync-measured)). The fix has neither.
 #
 # </div>
 

@@ -29,6 +29,11 @@
 # `strategy.run`, into replica-local buffers (no communication), each loss divided by
 # the examples of the whole *update*; every k micro-batches, a second `strategy.run`
 # applies the buffers, and the optimizer's all-reduce is the update's one sync.
+#
+# **The posted answer** fails as posted: `experimental_run_v2` is gone. With `strategy.run`
+# in its place, its mirrored accumulators all-reduce every micro-step, and its apply runs
+# only outside the scope, right only if each loss is divided by the global micro-batch
+# ([measured](#deep-dive-the-posted-answer-as-far-as-it-runs)).
 
 # %%
 import tensorflow as tf
@@ -46,10 +51,21 @@ show_environment(distgrad.environment_report(strategy))
 # %% [markdown]
 # ## 1 · The fix
 #
-# The question's loop with the sum inside `strategy.run`, over a `tf.data` pipeline: two
-# epochs of 300 examples, 8 per replica per micro-batch, k = 4. Each epoch's leftover
-# micro-batches make a smaller last update, their losses divided by the examples they
-# hold, as one device treats a smaller last batch. It runs pasted into a file.
+# Two epochs of 300 examples, 8 per replica per micro-batch, k = 4, over `tf.data`. Each
+# epoch's leftover micro-batches make a smaller last update, their losses divided by the
+# examples they hold, as one device treats a smaller last batch. It runs pasted into a
+# file. The change from the question's loop:
+#
+# ```diff
+# -for b in batches:
+# -    per_replica_gradients = strategy.run(fn=self.train_step, args=(model, data))
+# -    total_gradient += per_replica_gradients
+# -optimizer.apply_gradients(zip(total_gradient, model.trainable_variables))
+# +for step, batch in enumerate(dist_dataset):  # sums: ON_READ buffers made under the scope
+# +    accumulate(batch, tf.constant(examples))  # strategy.run: each replica adds to its sums
+# +    if step % K == K - 1:
+# +        apply()  # strategy.run: apply_gradients(sums), the all-reduce; then sums = 0
+# ```
 
 # %% tags=["fix"]
 import keras
@@ -146,6 +162,17 @@ print(f"{int(optimizer.iterations.numpy())} updates on {len(devices)} replicas =
 # weights. Python decides when, so nothing traced branches on the micro-step.
 # `optimizer.build` creates Adam's slots before that function is traced
 # ([otherwise it fails](#deep-dive-where-optimizer-state-is-created)).
+#
+# **What the buffers cost.** One float32 copy of the trainable weights on each replica,
+# whatever k:
+
+# %%
+copies = [copy for total in sums for copy in total.values]  # every replica's copy of each buffer
+buffer_bytes, weight_bytes = (sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in vs)
+                              for vs in (copies, model.trainable_variables))
+print(f"buffers: {buffer_bytes} bytes on {R} replicas; trainable weights: {weight_bytes} bytes")
+assert buffer_bytes == R * weight_bytes and {c.dtype for c in copies} == {tf.float32}
+assert len({copy.device for copy in copies}) == R  # one copy on each replica's device
 
 # %% [markdown]
 # ### Deep dive · The experiments' set-up: the fix as a function
@@ -357,13 +384,37 @@ assert accumulator.micro_steps == 0 and all_reduces(apply_step.function) == 1
 assert int(packaged_optimizer.iterations.numpy()) == int(optimizer.iterations.numpy())
 
 # %% [markdown]
+# ### Data of unknown size: a constant divisor
+#
+# With `.repeat()`, or a stream of unknown size, divide every loss by the constant
+# `UPDATE` (k × the global micro-batch): each example weighs 1 / `UPDATE`. An incomplete
+# last cycle, applied, is an update whose missing micro-batches added zero (to drop it,
+# zero the sums). The fix's loop and the check's one device, continued:
+
+# %%
+updates_before = int(optimizer.iterations.numpy())
+stream = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(MICRO)  # endless, no N
+for step, batch in enumerate(strategy.experimental_distribute_dataset(stream.take(3 * K + 2))):
+    accumulate(batch, tf.constant(UPDATE))  # the constant divisor
+    if step % K == K - 1:
+        apply()
+apply()  # stopped mid-cycle: 2 of K micro-batches in the sums, applied as sum / UPDATE
+for bx, by in stream.take(3 * K + 2).unbatch().batch(UPDATE):  # one device, the same examples
+    with tf.GradientTape() as tape:  # each update's loss summed, divided by UPDATE
+        loss = tf.reduce_sum(keras.losses.mean_squared_error(by, one(bx, training=True))) / UPDATE
+    one_optimizer.apply_gradients(zip(tape.gradient(loss, one.trainable_variables),
+                                      one.trainable_variables))
+for accumulated, big_batch in zip(model.get_weights(), one.get_weights()):
+    np.testing.assert_allclose(accumulated, big_batch, rtol=1e-6, atol=1e-6)
+assert int(optimizer.iterations.numpy()) == updates_before + 4  # 3 full updates + 1 partial
+
+# %% [markdown]
 # <div class="admonition warning">
 # <p class="admonition-title">Limits</p>
 #
-# * **An epoch's partial last update**: divide its losses by the examples it holds, as
-#   the fix does; the full `UPDATE` shrinks it
-#   ([pitfall](../pitfalls.md#last-batch-scaling), measured in
-#   [lesson 01's Exercise 1](01_where_gradients_sync.ipynb#exercise-1-the-smaller-last-batch)).
+# * **An epoch's partial last update**: the fix divides by the examples it holds; the
+#   constant `UPDATE` (above) makes it a smaller step
+#   ([pitfall](../pitfalls.md#last-batch-scaling)).
 # * **BatchNorm** normalizes each micro-batch on each replica, not the big batch
 #   ([lesson 07](07_beyond_the_basics.ipynb#deep-dive-batchnorm-statistics-are-per-forward-pass)).
 # * **Dropout** draws other masks in k·R small passes than in one big one: a big-batch
@@ -813,7 +864,9 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
 # ## Deep dive · The same loop in tf-keras (Keras 2)
 #
 # The question was asked on TensorFlow 2.x with Keras 2, and many users still train
-# on it: TensorFlow ≤ 2.15, or the `tf-keras` package behind `tf.keras` when
+# on it: TensorFlow 2.15, whose own `tf.keras` is Keras 2 (the version matrix's
+# [tf2.15 cell](../versions.md#keras-2) runs this class there; no cell runs older
+# releases), or the `tf-keras` package behind `tf.keras` when
 # `TF_USE_LEGACY_KERAS=1` is set *before* TensorFlow is imported. This notebook runs
 # Keras 3, and a process cannot switch, so the tf-keras program below is written to a
 # file and run in a child Python (`distgrad.lab.legacy.run_legacy` sets the variable and

@@ -57,7 +57,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import distgrad  # the packaged form is the point here: pip install distgrad
+import distgrad  # the packaged form: `pip install .` in a clone of this repository (not on PyPI)
 
 # Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -106,8 +106,8 @@ print(f"{strategy.num_replicas_in_sync} replicas, k = {K}: equal to one big-batc
 # The third update straddles the two epochs; the check replays the same stream, so it
 # covers it. Under `mixed_float16`, compile
 # `distgrad.AllReplicasFiniteLossScaleOptimizer(distgrad.AccumulatingOptimizer(inner, k))`:
-# Keras' own `LossScaleOptimizer` around it is refused with an error naming that line
-# ([lesson 04](04_loss_scale_optimizer_pitfall.ipynb#1-the-fix)).
+# on several replicas Keras' own `LossScaleOptimizer` around it is refused with an error
+# naming that call ([lesson 04](04_loss_scale_optimizer_pitfall.ipynb#1-the-fix)).
 
 # %% [markdown]
 # ## 2 · Why it works
@@ -759,7 +759,10 @@ fig.tight_layout()
 # ## Deep dive · The question's own stack: tf-keras `model.fit`
 #
 # The question's author wrote Keras 2 (`tf.keras`, TF 2.5), and many users still train
-# on it: TensorFlow ≤ 2.15, or the `tf-keras` package behind `tf.keras` when
+# on it: TensorFlow 2.15, whose own `tf.keras` is Keras 2 (the version matrix's
+# [tf2.15 cell](../versions.md#keras-2) runs this class there; no cell runs older
+# releases: [what a TF 2.5 user can do](../versions.md#keras-2)), or the `tf-keras`
+# package behind `tf.keras` when
 # `TF_USE_LEGACY_KERAS=1` is set before TensorFlow is imported. For them the packaged fix
 # is `distgrad.tf_keras.AccumulatingOptimizer`: §3's cross-replica cond for
 # tf-keras' optimizers, `tf.keras.optimizers.*` and the era's

@@ -76,6 +76,7 @@ class FixedGradAccumModel(keras.Model):
         with tf.control_dependencies([tf.debugging.assert_equal(n % k, 0, message=(
                 "the batch does not split into k micro-batches: drop_remainder=True"))]):
             size = n // k
+        loss_metric = next(m for m in self.metrics if m.name == "loss")  # compile's loss mean
 
         def body(i, sums):  # micro-batch i: slice every input, target and sample weight
             x, y, w = keras.utils.unpack_x_y_sample_weight(tf.nest.map_structure(
@@ -85,7 +86,7 @@ class FixedGradAccumModel(keras.Model):
                 loss = self.compute_loss(x, y, y_pred, sample_weight=w, training=True)
                 scaled = self.optimizer.scale_loss(loss / k)  # k means sum to the batch mean
             grads = tape.gradient(scaled, self.trainable_variables)
-            self._loss_tracker.update_state(loss * replicas, sample_weight=size)  # like Keras
+            loss_metric.update_state(loss * replicas, sample_weight=size)  # as Keras' step does
             self.compute_metrics(x, y, y_pred, sample_weight=w)
             return i + 1, [s + g for s, g in zip(sums, grads)]  # new tensors, returned
 
@@ -490,8 +491,36 @@ print(f"MicroBatchingModel vs the fix cell's model: max abs diff {diff.max_abs:.
 # * **`steps_per_execution > 1`** and **`jit_compile=True`** on several replicas fail in
 #   stock Keras too ([upstream](../upstream.md#steps-per-execution), keras-team/keras#19005);
 #   `MicroBatching` refuses them, naming the fix ([run](#deep-dive-the-limits-run)).
+# * **`mixed_float16` on several replicas**: `compile` wraps the fix cell's optimizer in
+#   Keras' `LossScaleOptimizer`, which checks replica 0's gradients only, so another
+#   replica's overflow reaches the weights. Compile with
+#   `distgrad.AllReplicasFiniteLossScaleOptimizer(optimizer)` ([run](#deep-dive-mixed-precision)).
+# * **Validation is not micro-batched**: `test_step` is Keras' own, and
+#   `validation_batch_size` defaults to `batch_size`, the big batch. Pass the micro-batch
+#   size, or batch a validation dataset so ([run](#deep-dive-the-limits-run)).
 #
 # </div>
+
+# %% [markdown]
+# ### In-step or cross-step accumulation?
+#
+# The fix's `train_step` splits *one* fit step; `AccumulatingOptimizer`
+# ([lessons 02](02_accumulate_in_custom_loop.ipynb)–[03](03_cond_and_merge_call.ipynb))
+# accumulates across *k* fit steps and updates on every k-th. Both make one update from
+# k micro-batches with one all-reduce.
+#
+# | | in-step: this `train_step`, `MicroBatching` | cross-step: `AccumulatingOptimizer` |
+# |---|---|---|
+# | one fit step is | one update (`iterations` == steps: the check) | one micro-batch; k steps per update |
+# | metrics in the history | those of the big batch (the check) | those of micro-batches |
+# | data pipeline | yields the **big** batch (the input batch must fit in memory) | yields micro-batches |
+# | k | a constant in the traced step | optimizer state |
+# | state between steps | none: the sums are loop variables of one step | accumulator variables, checkpointed |
+# | batch size constraint | every batch divisible by k x replicas (Limits) | none per batch |
+#
+# Choose in-step when you want `fit` to behave exactly as with the big batch and only the
+# activations do not fit. Choose cross-step when even the input batch does not fit, or
+# when the pipeline already produces small batches.
 
 # %% [markdown]
 # ## Deep dive · `MicroBatching`: its `train_step`, three optimizers, `fit`'s history
@@ -647,6 +676,34 @@ assert "Compile with steps_per_execution=1" in refusals["steps_per_execution"]
 assert "jit_compile=False" in refusals["jit_compile"]
 
 # %% [markdown]
+# **Validation.** The fix overrides `train_step` only: `validation_data` goes through Keras'
+# own `test_step`, one forward pass per validation batch, and for arrays that batch is
+# `validation_batch_size`, by default `batch_size`, the big batch
+# (`keras/src/backend/tensorflow/trainer.py`, `fit`). Counted by a callback:
+
+# %%
+class CountTestBatches(keras.callbacks.Callback):
+    def on_test_begin(self, logs=None):
+        self.batches = 0
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+test_batches = {}
+for validation_batch_size in (None, GLOBAL_BATCH // K):
+    with strategy.scope():
+        validated = fixed(tiny_model(), K)
+        validated.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    counter = CountTestBatches()
+    validated.fit(x_reg, y_reg, batch_size=GLOBAL_BATCH, validation_data=(x_reg, y_reg),
+                  validation_batch_size=validation_batch_size, callbacks=[counter], verbose=0)
+    test_batches[validation_batch_size] = counter.batches
+print(f"validation batches over {len(x_reg)} examples: {test_batches}")
+steps = len(x_reg) // GLOBAL_BATCH  # fit steps per epoch
+assert test_batches == {None: steps, GLOBAL_BATCH // K: K * steps}  # big batches by default
+
+# %% [markdown]
 # ## Deep dive · Mixed precision
 #
 # Under `mixed_float16` the forward and backward passes run in float16: a different split
@@ -682,11 +739,20 @@ print("overflowing step: updates", int(overflow.optimizer.iterations.numpy()),
 assert int(overflow.optimizer.iterations.numpy()) == 0
 assert float(overflow.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
 
+overflow_targets = y_reg[:GLOBAL_BATCH].copy()
+overflow_targets[GLOBAL_BATCH // R:] = 6e4  # only the replicas after replica 0 overflow
+stock, _ = fit(strategy, lso_sgd(2.0 ** 10), 2, model_factory=mixed_model,
+               data=(x_reg[:GLOBAL_BATCH], overflow_targets), epochs=1)
+stock_finite = all(np.isfinite(w).all() for w in weights_of(stock))
+print("Keras' wrapper, overflow on replicas 1..R-1: updates",
+      int(stock.optimizer.iterations.numpy()), "| finite weights", stock_finite)
+assert int(stock.optimizer.iterations.numpy()) == 1 and not stock_finite  # applied: inf
+
 # %% [markdown]
 # One caveat belongs to Keras, not to accumulation
 # ([lesson 04](04_loss_scale_optimizer_pitfall.ipynb)): under `MirroredStrategy` Keras 3's
 # `LossScaleOptimizer` decides "all gradients finite?" from replica 0's *local* gradients,
-# so an overflow on another replica only would be applied to the weights. Lesson 04's `AllReplicasFiniteLossScaleOptimizer` fixes it and
+# so an overflow on another replica only is applied to the weights (the last run above). Lesson 04's `AllReplicasFiniteLossScaleOptimizer` fixes it and
 # drops into the fix's `train_step` unchanged: the overflow on the replicas after
 # replica 0 is skipped, the step still has one all-reduce, and `fit` ends with a warning
 # that counts the skip. (The packaged `MicroBatching` is right under Keras' own wrapper
@@ -696,8 +762,6 @@ assert float(overflow.optimizer.dynamic_scale.numpy()) == 2.0 ** 9
 # %%
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
-overflow_targets = y_reg[:GLOBAL_BATCH].copy()
-overflow_targets[GLOBAL_BATCH // R:] = 6e4  # only the replicas after replica 0 overflow
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     guarded, _ = fit(strategy, lambda: AllReplicasFiniteLossScaleOptimizer(
@@ -805,27 +869,6 @@ plt.show()
 # and the allocator statistic is the right one. The cost is time: the k micro-batches run
 # one after another (`parallel_iterations=1`), each a smaller matrix product. The step
 # times above are measured, not asserted: they depend on the machine and its load.
-
-# %% [markdown]
-# ## Deep dive · In-step or cross-step accumulation?
-#
-# The fix's `train_step` splits *one* fit step; `AccumulatingOptimizer`
-# ([lessons 02](02_accumulate_in_custom_loop.ipynb)–[03](03_cond_and_merge_call.ipynb))
-# accumulates across *k* fit steps and updates on every k-th. Both make one update from
-# k micro-batches with one all-reduce.
-#
-# | | in-step: this `train_step`, `MicroBatching` | cross-step: `AccumulatingOptimizer` |
-# |---|---|---|
-# | one fit step is | one update (`iterations` == steps: the check) | one micro-batch; k steps per update |
-# | metrics in the history | those of the big batch (the check) | those of micro-batches |
-# | data pipeline | yields the **big** batch (the input batch must fit in memory) | yields micro-batches |
-# | k | a constant in the traced step | optimizer state |
-# | state between steps | none: the sums are loop variables of one step | accumulator variables, checkpointed |
-# | batch size constraint | every batch divisible by k x replicas (Limits) | none per batch |
-#
-# Choose in-step when you want `fit` to behave exactly as with the big batch and only the
-# activations do not fit. Choose cross-step when even the input batch does not fit, or
-# when the pipeline already produces small batches.
 
 # %% [markdown]
 # ## Deep dive · The posted "final solution", against Keras 3

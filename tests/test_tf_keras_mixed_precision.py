@@ -11,12 +11,12 @@ import pytest
 
 from distgrad.lab.compare import check_close
 from distgrad.lab.legacy import run_legacy
-from distgrad.lab.mixed import MIXED_PRECISION_ATOL, MIXED_PRECISION_RTOL, overflow_data
+from distgrad.lab.mixed import check_float16_close, overflow_data
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 REPLICAS, MICRO_BATCH, K, MICRO_BATCHES, OVERFLOW = 2, 8, 2, 7, 3
 SCALE = 2.0**10  # below the default 2**15, so that the only overflow is the injected one
-MIXED = {"rtol": MIXED_PRECISION_RTOL, "atol": MIXED_PRECISION_ATOL}
+BIG_BATCH_PER_REPLICA = K * MICRO_BATCH // REPLICAS  # examples summed in float16
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,8 @@ def test_compile_under_mixed_float16_puts_the_loss_scale_optimizer_outside(mixed
                                   "adam, stock train_step"])
 def test_question_train_step_accumulated_equals_big_batch_under_mixed_float16(mixed, name):
     run = mixed[name]
-    check_close(run["accumulated"], run["big_batch"], what=name, **MIXED)
+    check_float16_close(run["accumulated"], run["big_batch"], mixed["initial"],
+                        BIG_BATCH_PER_REPLICA, what=name)
     rows = run["rows"]
     assert {r["loss_scale"] for r in rows} == {SCALE}  # no overflow in the clean data
     assert [r["updates"] for r in rows] == [(t + 1) // K for t in range(MICRO_BATCHES - 1)]
@@ -55,8 +56,8 @@ def test_an_overflow_on_one_replica_skips_that_micro_batch_everywhere_and_halves
     assert [r["iterations"] for r in rows] == [0, 1, 2, 2, 3, 3, 4]  # + the skipped step
     assert {r["skipped_updates"] for r in rows} == {0} and all(r["weights_finite"] for r in rows)
     # the same as three big-batch steps on the data without the overflowing micro-batch
-    check_close(mixed["overflow"]["accumulated"], mixed["overflow"]["big_batch_without"],
-                **MIXED)
+    check_float16_close(mixed["overflow"]["accumulated"], mixed["overflow"]["big_batch_without"],
+                        mixed["initial"], BIG_BATCH_PER_REPLICA)
 
 
 def test_a_checkpoint_mid_cycle_restores_the_loss_scale_and_the_cycle(mixed):

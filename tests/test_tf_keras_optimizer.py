@@ -6,6 +6,7 @@ Every tf-keras observation comes from one child process per scenario group
 
 import os
 
+import keras
 import numpy as np
 import pytest
 
@@ -64,6 +65,8 @@ def test_without_a_strategy_it_accumulates_on_one_device(fits):
     assert run["rows"][-1]["iterations"] == UPDATES
 
 
+@pytest.mark.skipif(keras.__version__.startswith("2."),
+                    reason="TensorFlow 2.15: no Keras 3 process (tests/test_version_checks.py)")
 def test_importing_it_under_keras_3_fails_naming_the_legacy_switch():
     import tensorflow as tf
 
@@ -143,6 +146,8 @@ def test_the_config_round_trips_alone_and_inside_a_loss_scale_optimizer(state_an
     ("2 replicas without merge_call", "ValueError", "compile with jit_compile=False"),
 ])
 def test_bad_input_gets_a_clear_error(state_and_errors, case, error, fragment):
+    if case == "the Keras 3 class" and state_and_errors.tensorflow.startswith("2.15."):
+        error = "ImportError"  # TensorFlow 2.15 has no Keras 3: distgrad says what to use
     raised = state_and_errors["bad_input"][case]
     assert raised is not None, f"{case}: nothing raised"
     assert raised["type"] == error, raised

@@ -71,3 +71,24 @@ def test_the_page_test_is_no_report_run():
         "test_each_section_names_the_versions_its_reproduction_ran_on_here[lazy_slot_creation]")
     run = matrix.DEFECT_TEST.match(RUN.format("tf_keras"))
     assert run.groups() == ("lazy_slot_creation", "tf_keras")
+
+
+def test_the_keras_2_cell_is_tensorflow_2_15_and_the_keras_3_bound_is_read_from_pyproject():
+    keras2 = [c for c in matrix.cells() if c.get("keras2")]
+    assert [c["name"] for c in keras2] == ["tf2.15"] and keras2[0]["tf"] == "2.15"
+    assert matrix.keras_lower_bound() == "3.10"  # pyproject.toml excludes 3.0.* ... 3.9.*
+    assert "tf2.16-keras3.10" in [c["name"] for c in matrix.cells()]
+
+
+def test_a_cell_recorded_per_test_gets_one_row_per_test_with_its_failure():
+    record = {"selection": "test_legacy", "per_test": {
+        "test_legacy.py::test_a": {"status": "pass"},
+        "test_legacy.py::test_b[x|y]": {"status": "failure", "message": "AssertionError: 1 | 2"},
+        "test_version_checks.py::test_c": {"status": "skipped", "message": "Keras 3 process"}}}
+    rows = matrix.per_test_table({"tf2.16": {}, "tf2.15": record})
+    assert rows[1] == ("Per test, cell tf2.15 (`pytest -k test_legacy` on its test files): "
+                       "1 failure, 1 pass, 1 skipped.")
+    assert rows[3:] == ["| test | tf2.15 |", "|---|---|",
+                        "| `test_legacy.py::test_a` | ✓ |",
+                        "| `test_legacy.py::test_b[x/y]` | failure: `AssertionError: 1 / 2` |",
+                        "| `test_version_checks.py::test_c` | skipped: `Keras 3 process` |"]

@@ -217,9 +217,11 @@ def bad_input(strategy):
     import tensorflow as tf
 
     from distgrad.lab import legacy_fit
-    from distgrad.optimizer import AccumulatingOptimizer as Keras3AccumulatingOptimizer
 
     accumulating, keras = _accumulating("distgrad.tf_keras"), tf.keras
+    def keras_3_class():  # distgrad.AccumulatingOptimizer; TF 2.15 (no Keras 3): ImportError
+        return _accumulating("distgrad")
+
     sgd = keras.optimizers.SGD
     with strategy.scope():
         model = legacy_fit.tiny_model()
@@ -256,7 +258,7 @@ def bad_input(strategy):
         "a string": lambda: accumulating("adam", 2),
         "a LossScaleOptimizer inside": lambda: accumulating(
             keras.mixed_precision.LossScaleOptimizer(sgd(0.1)), 2),
-        "the Keras 3 class": lambda: Keras3AccumulatingOptimizer(sgd(0.1), 2),
+        "the Keras 3 class": lambda: keras_3_class()(sgd(0.1), 2),
         "created outside the scope": build_outside_under_scope,
         "apply_gradients under the scope": apply_under_scope,
         "skip_gradients_aggregation": lambda: apply_in_replica_context(
@@ -293,6 +295,11 @@ def mixed_precision(replicas, x, y, overflowing, without, micro_batch, accumulat
         with strategy.scope():
             model = QuestionModel()
             model.compile(optimizer=accumulating(inner["adam"](), k), loss="mse")
+        # Every run's start (the same seeded initializers in both models), for float16 checks.
+        initial = QuestionModel()
+        initial(np.zeros((1, 4), np.float32))
+        result["initial"] = legacy_fit.weights(initial)
+        assert result["initial"] == legacy_fit.weights(stock_model())
         result["compiled"] = [type(model.optimizer).__name__,
                               type(model.optimizer.inner_optimizer).__name__,
                               isinstance(model.optimizer,  # the question's train_step asks

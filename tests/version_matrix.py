@@ -3,6 +3,7 @@ TensorFlow minor with Keras 3, each in its own virtual environment, and on the n
 
     python tests/version_matrix.py            # every cell not yet run at this commit
     python tests/version_matrix.py --tf 2.18  # the cells of one TensorFlow minor, again
+    python tests/version_matrix.py --tf 2.15  # the Keras 2 cell (tf.keras is Keras 2), again
     python tests/version_matrix.py --nightly  # the nightly cell (= --cell nightly), again
     python tests/version_matrix.py --cell nightly --only tests/test_optimizer.py  # part of it
     python tests/version_matrix.py --tables   # only re-render the tables from matrix.json
@@ -23,6 +24,15 @@ tests/test_upstream_reports.py too) and to the tables that docs/versions.md and
 docs/upstream.md include: docs/versions/matrix.md, nightly.md and upstream-status.md (the
 status of each upstream report, derived from the per-test results). Logs and executed
 lessons stay in build/matrix/CELL/. Standard library only.
+
+The `tf2.15` cell is the last TensorFlow whose tf.keras is Keras 2 (it has no Keras 3):
+`tensorflow==2.15.*` with the Keras 2.15 it brings and `tf-keras==2.15.*`. It runs what
+applies there, KERAS_2_TESTS selected by KERAS_2_SELECTION: the tf-keras tests (their
+children with `TF_USE_LEGACY_KERAS=1`, tf-keras 2.15), tests/test_version_checks.py
+(`import distgrad`, and fit, mixed_float16 fit and GradientAccumulator on TF 2.15's own
+tf.keras, without the switch), the tf-keras recipes and the tf-keras runs of the upstream
+reports; no lesson (they are Keras 3). Its results are kept per test too ("per_test" in
+matrix.json, a table in matrix.md).
 """
 
 from __future__ import annotations
@@ -55,6 +65,18 @@ DEFECT_TEST = re.compile(
 NIGHTLY = {"tensorflow": "tf-nightly", "keras": "keras-nightly", "tf_keras": "tf-keras-nightly"}
 RELEASE = {"tensorflow": "tensorflow", "keras": "keras", "tf_keras": "tf-keras"}
 TF_MINORS = ("2.16", "2.17", "2.18", "2.19", "2.20", "2.21")
+KERAS_2_TF = "2.15"  # the last TensorFlow whose tf.keras is Keras 2
+KERAS_2_TESTS = ("tests/test_tf_keras_optimizer.py", "tests/test_tf_keras_mixed_precision.py",
+                 "tests/test_tf_keras_custom_loop.py", "tests/test_legacy.py",
+                 "tests/test_version_checks.py", "tests/test_copy_alone.py",
+                 "tests/test_user_paths.py", "tests/test_recipes.py", UPSTREAM_TESTS)
+# pytest -k: whole files for the tf-keras ones and test_version_checks.py (whose Keras 3
+# tests skip themselves), else the tests named for tf-keras: the tf-keras recipes' runs,
+# the reports' tf-keras runs, the copied tf-keras file, the tf-keras user path.
+KERAS_2_SELECTION = ("test_tf_keras_ or test_legacy or test_version_checks or "
+                     "(test_the_recipe_runs and tf-keras) or "
+                     "(test_each_reproduction and tf_keras) or test_the_copied_tf_keras_file "
+                     "or test_tf_keras_skips")
 EXTRAS = "course,test,legacy"
 FREE_GB_NEEDED = 6
 # Everything in tests/ runs but these: the benchmark smoke runs, the .py/.ipynb pairing (text
@@ -69,13 +91,18 @@ ARROW = re.compile(r"^-+> *\d+ (.*)$", re.MULTILINE)  # IPython marks the failin
 
 
 def keras_lower_bound() -> str:
-    return re.search(r'"keras>=([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    """The oldest Keras 3 pyproject.toml allows: it excludes 3.0.* ... 3.N.* one by one
+    (Keras 2.15 stays allowed, for TensorFlow 2.15)."""
+    spec = re.search(r'"keras(>=[^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    excluded = {int(n) for n in re.findall(r"!=3\.(\d+)\.\*", spec)}
+    return f"3.{next(n for n in range(100) if n not in excluded)}"
 
 
 def cells() -> list[dict]:
     plain = [{"name": f"tf{tf}", "tf": tf, "keras": None} for tf in TF_MINORS]
     oldest = keras_lower_bound()  # Keras at its declared bound on the oldest TF of its era
-    return plain + [{"name": f"tf{TF_MINORS[0]}-keras{oldest}", "tf": TF_MINORS[0],
+    return [{"name": f"tf{KERAS_2_TF}", "tf": KERAS_2_TF, "keras": None, "keras2": True},
+            *plain] + [{"name": f"tf{TF_MINORS[0]}-keras{oldest}", "tf": TF_MINORS[0],
                      "keras": oldest},
                     {"name": "nightly", "tf": "nightly", "keras": None, "nightly": True}]
 
@@ -234,6 +261,20 @@ def lesson_failure(executed: Path) -> dict:
     return {}  # no error output: a timeout, whose message junit has
 
 
+def per_test_results(junit: Path) -> dict:
+    """Per test ("test_x.py::name[id]"): pass, skipped, failure or error, and its message."""
+    results = {}
+    cases = ET.parse(junit).iter("testcase") if junit.exists() else []
+    for case in cases:
+        key = f"{case.get('classname', '').rsplit('.', 1)[-1]}.py::{case.get('name')}"
+        problem = next((p for p in case if p.tag in ("failure", "error", "skipped")), None)
+        outcome = ({"status": "pass"} if problem is None else
+                   {"status": problem.tag, "message": failure_of(problem)})
+        if results.get(key, {}).get("status", "pass") == "pass":
+            results[key] = outcome  # a setup or teardown error is a second case
+    return results
+
+
 def upstream_results(junit: Path) -> dict:
     """Per test of tests/test_upstream_reports.py: pass, or fail / error and its message."""
     results = {}
@@ -312,15 +353,21 @@ def run_cell(cell: dict, commit: str, only: list[str] | None = None, workers: in
                               check=False).stdout
         print(f"  installed {record['versions']}, env {size.split()[0]}", flush=True)
 
-        files = [f for f in test_files() if only is None or f in only]
+        keras2 = cell.get("keras2", False)
+        files = [f for f in (KERAS_2_TESTS if keras2 else test_files())
+                 if only is None or f in only]
         skipped = [f for f in files if "legacy" in record and uses_tf_keras(ROOT / f)]
         files, begun = [f for f in files if f not in skipped], time.monotonic()
         if files:
-            run([*pytest_cmd(python, workers), f"--junitxml={where / 'tests.xml'}", *files],
-                log, 3600, env=environ)
+            run([*pytest_cmd(python, workers), f"--junitxml={where / 'tests.xml'}", "-rs",
+                 *(["-k", KERAS_2_SELECTION] if keras2 else []), *files], log, 3600,
+                env=environ)
         record["tests"] = junit_results(where / "tests.xml", files,
                                         lambda f: f.removesuffix(".py").replace("/", "."))
         record["tests"] |= {f: {"status": record["legacy"]} for f in skipped}
+        if keras2:
+            record["per_test"] = per_test_results(where / "tests.xml")
+            record["selection"] = KERAS_2_SELECTION
         if UPSTREAM_TESTS in files:
             record["upstream"] = {"tests": upstream_results(where / "tests.xml")}
         record["wall_s"]["tests"] = round(time.monotonic() - begun)
@@ -328,7 +375,7 @@ def run_cell(cell: dict, commit: str, only: list[str] | None = None, workers: in
         lessons, begun = where / "lessons", time.monotonic()
         lessons.mkdir()
         for notebook in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-            if only is None or notebook.stem in only:
+            if not keras2 and (only is None or notebook.stem in only):
                 shutil.copy(notebook, lessons)
         skipped = [p for p in lessons.glob("*.ipynb") if "legacy" in record and uses_tf_keras(p)]
         for notebook in skipped:
@@ -440,9 +487,30 @@ def write_tables(results: dict) -> None:
                     marks.append({"pass": "✓"}.get(outcome["status"], outcome["status"]))
             rows.append(f"| {code(Path(key).name)} | " + " | ".join(marks) + " |")
     rows += ["", *(f'{i}. <a id="matrix-note-{i}"></a>{note}' for i, note in enumerate(notes, 1))]
+    rows += per_test_table(done)
     TABLES.write_text("\n".join(rows) + "\n")
     NIGHTLY_TABLE.write_text(nightly_table(results.get("nightly")))
     STATUS_TABLE.write_text(status_table(done))
+
+
+def per_test_table(done: dict) -> list[str]:
+    """The cells recorded per test (the Keras 2 cell): one row per test, its result."""
+    rows = []
+    for name, r in done.items():
+        if "per_test" not in r:
+            continue
+        counts = {}
+        for outcome in r["per_test"].values():
+            counts[outcome["status"]] = counts.get(outcome["status"], 0) + 1
+        rows += ["", f"Per test, cell {name} (`pytest -k {code(r['selection'])[1:-1]}` on "
+                 f"its test files): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                 + ".", "", f"| test | {name} |", "|---|---|"]
+        for key, outcome in sorted(r["per_test"].items()):
+            mark = {"pass": "✓"}.get(outcome["status"], outcome["status"])
+            if outcome["status"] != "pass":
+                mark += f": {code(outcome.get('message', ''))}"
+            rows.append(f"| {code(key).replace('|', '/')} | {mark.replace('|', '/')} |")
+    return rows
 
 
 def nightly_table(r: dict | None) -> str:

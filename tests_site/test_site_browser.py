@@ -7,6 +7,9 @@ render, dark mode switches, and no page needs the network. Screenshots of the ho
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -172,8 +175,73 @@ def test_api_reference_renders_docstrings(page):
     # That every module and reference class has its heading: test_site_completeness.py.
 
 
+def families_covering_chinese() -> set[str]:
+    """The font families fontconfig (which Chromium asks for fallback fonts) says cover
+    Chinese: `fc-list :lang=zh family`, one line per font, its names comma-separated."""
+    fc_list = shutil.which("fc-list")
+    assert fc_list, "fc-list not found: install fontconfig (Debian: `make chromium` as root)"
+    listed = subprocess.run([fc_list, ":lang=zh", "family"], capture_output=True, text=True,
+                            check=True, timeout=60).stdout
+    return {name.strip() for line in listed.splitlines() for name in line.split(",") if name}
+
+
+def glyphs_by_family(page, selector: str) -> dict[str, int]:
+    """How many glyphs each font drew for the text of the elements matching `selector`:
+    what Chromium itself used (DevTools' CSS.getPlatformFontsForNode), fallback included.
+    A character no installed font has is counted under the font that drew its box."""
+    session = page.context.new_cdp_session(page)
+    session.send("DOM.enable")
+    session.send("CSS.enable")
+    root = session.send("DOM.getDocument", {"depth": -1})["root"]["nodeId"]
+    counts: dict[str, int] = {}
+    for node in session.send("DOM.querySelectorAll",
+                             {"nodeId": root, "selector": selector})["nodeIds"]:
+        for font in session.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]:
+            counts[font["familyName"]] = counts.get(font["familyName"], 0) + font["glyphCount"]
+    session.detach()
+    return counts
+
+
+# Han ideographs, CJK punctuation and full-width forms: what a Latin font draws as boxes.
+_CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
+
+
+def test_the_chinese_answer_is_drawn_with_a_chinese_font_not_boxes(page, screenshots):
+    """docs/questions.md answers Q3 in Chinese (`lang="zh-Hans"`): every CJK character of
+    it must come from a font that covers Chinese (Debian: fonts-noto-cjk, which
+    `make chromium` installs beside Chromium); without one Chromium draws empty boxes."""
+    open_page(page, "questions/")
+    chinese = "article p[lang='zh-Hans']"
+    assert page.locator(chinese).count() >= 1, "no Chinese answer (lang='zh-Hans') on the page"
+    assert page.locator("article p[lang='es']").count() >= 1, "no Spanish answer (lang='es')"
+    characters = len(_CJK.findall("".join(page.locator(chinese).all_inner_texts())))
+    assert characters > 100
+    covering = families_covering_chinese()
+    assert covering, ("no installed font covers Chinese: install one (Debian: "
+                      "`apt-get install fonts-noto-cjk`; `make chromium` does it as root)")
+    drawn = glyphs_by_family(page, chinese)
+    in_chinese_fonts = sum(n for family, n in drawn.items() if family in covering)
+    assert in_chinese_fonts >= characters, (
+        f"{characters} CJK characters, {in_chinese_fonts} glyphs from fonts covering Chinese "
+        f"({sorted(covering)}); drawn with {drawn}")
+
+    # The measure tells boxes apart: characters no font has (unassigned code points) are
+    # counted under a font that does not cover Chinese.
+    page.evaluate("""() => { const p = document.createElement('p'); p.id = 'no-glyph';
+        p.textContent = '\\u0378\\u0379\\u0378\\u0379';
+        document.querySelector('article').append(p); }""")
+    boxes = glyphs_by_family(page, "#no-glyph")
+    assert sum(boxes.values()) == 4 and not set(boxes) & covering, boxes
+
+    # Screenshot of the Q3 section (its English and Chinese answers), to look at.
+    top, bottom = (page.locator(f"article h2#{q}").evaluate(
+        "h => h.getBoundingClientRect().top + window.scrollY") for q in ("q3", "q4"))
+    page.screenshot(path=str(screenshots / "questions-zh.png"), full_page=True,
+                    clip={"x": 0, "y": top, "width": 1280, "height": bottom - top})
+
+
 def test_screenshots_are_kept(screenshots):
     # Runs last in this file: the tests above wrote them.
-    for name in ("home.png", "home-dark.png", "lesson.png"):
+    for name in ("home.png", "home-dark.png", "lesson.png", "questions-zh.png"):
         shot = Path(screenshots / name)
         assert shot.is_file() and shot.stat().st_size > 10_000, name

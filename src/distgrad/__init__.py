@@ -27,11 +27,17 @@ TensorFlow and Keras and the modules of every class `model.save` can hold
 `TF_USE_LEGACY_KERAS=1` before importing TensorFlow (tf-keras, Keras 2), it registers
 `distgrad.tf_keras.AccumulatingOptimizer` with tf-keras instead, and leaves Keras 3 alone.
 The other names, the lab and the pitfalls are imported when first used.
+
+On TensorFlow 2.15, whose `tf.keras` is its own Keras 2.15 and which has no Keras 3,
+`import distgrad` registers `distgrad.tf_keras.AccumulatingOptimizer` too; there
+`GradientAccumulator`, `distgrad.tf_keras.AccumulatingOptimizer` and the names that need
+TensorFlow only work, and a name that needs Keras 3 raises an ImportError naming the fix.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 
@@ -64,6 +70,11 @@ SAVEABLE_MODULES = ("distgrad.optimizer", "distgrad.mixed_precision", "distgrad.
 LEGACY_SAVEABLE_MODULES = ("distgrad.tf_keras.optimizer",)
 
 
+# The names whose modules work without Keras 3 (TensorFlow 2.15, where `keras` is Keras 2).
+KERAS_2_EXPORTS = {"GradientAccumulator", "clip_by_global_norm_across_replicas",
+                   "make_strategy", "environment_report"}
+
+
 def _uses_legacy_keras() -> bool:
     """What TensorFlow decides at import (tensorflow/python/util/lazy_loader.py): tf.keras
     is tf-keras if TF_USE_LEGACY_KERAS says so and tf-keras is installed."""
@@ -71,7 +82,25 @@ def _uses_legacy_keras() -> bool:
             and importlib.util.find_spec("tf_keras") is not None)
 
 
-for _module in LEGACY_SAVEABLE_MODULES if _uses_legacy_keras() else SAVEABLE_MODULES:
+def _keras_version() -> str:
+    """The installed `keras` (3.x from TensorFlow >= 2.16, 2.15 from TensorFlow 2.15), read
+    without importing it: importing Keras 2.15 into a tf-keras 2.15 process would make
+    tf-keras deserialize optimizers as the `keras` package's classes."""
+    try:
+        return importlib.metadata.version("keras")
+    except importlib.metadata.PackageNotFoundError:  # keras-nightly
+        import keras
+
+        return keras.__version__
+
+
+def _keras_3() -> bool:
+    return not _keras_version().startswith("2.")
+
+
+# A tf-keras process does not import Keras 3 here (its classes are imported when used).
+for _module in (LEGACY_SAVEABLE_MODULES if _uses_legacy_keras() or not _keras_3()
+                else SAVEABLE_MODULES):
     importlib.import_module(_module)
 
 
@@ -79,6 +108,14 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'distgrad' has no attribute {name!r}")
+    if name not in KERAS_2_EXPORTS and not _keras_3():
+        instead = ("distgrad.tf_keras.AccumulatingOptimizer (tf.keras, Keras 2) in model.fit, "
+                   "or distgrad.GradientAccumulator in a custom loop; or " if
+                   name == "AccumulatingOptimizer" else "")
+        raise ImportError(
+            f"distgrad.{name} needs Keras 3 (TensorFlow >= 2.16), but keras is "
+            f"{_keras_version()} here: use {instead}pip install -U 'tensorflow>=2.16' "
+            "'keras>=3.10'.")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -24,13 +24,20 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
 
-# The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
-# < 3.5 does not sum gradients over replicas in apply_gradients (keras-team/keras#19969).
+# The oldest versions the version matrix passes (docs/versions.md): Keras 3 from 3.10 (< 3.5
+# does not sum gradients over replicas in apply_gradients, keras-team/keras#19969), and the
+# Keras 2 stack of TensorFlow 2.15 (its own Keras 2.15 is tf.keras; it has no Keras 3).
 NEEDED = {"tensorflow": (2, 16), "keras": (3, 10)}
-if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m in (tf, keras)):
-    raise ImportError(f"distgrad.accumulator needs TensorFlow >= 2.16 and Keras >= 3.10, found "
-                      f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
-                      "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
+KERAS_2 = {"tensorflow": (2, 15), "keras": (2, 15)}
+_FOUND = {m.__name__: tuple(map(int, m.__version__.split(".")[:2])) for m in (tf, keras)}
+if _FOUND != KERAS_2 and any(_FOUND[name] < NEEDED[name] for name in NEEDED):
+    raise ImportError(f"distgrad.accumulator needs TensorFlow >= 2.16 and Keras >= 3.10 (or "
+                      f"TensorFlow 2.15 with its Keras 2.15), found TensorFlow {tf.__version__} "
+                      f"and Keras {keras.__version__}: pip install -U 'tensorflow>=2.16' "
+                      "'keras>=3.10'")
+# Keras 3's classes; under Keras 2 (TensorFlow 2.15) nothing is one (isinstance(x, ()) is False).
+_KERAS_3_VARIABLE = getattr(keras, "Variable", ())
+_KERAS_3_LOSS_SCALE_OPTIMIZER = getattr(keras.optimizers, "LossScaleOptimizer", ())
 
 NON_FINITE_POLICIES = ("raise", "skip")
 # Not a user's choice: under a LossScaleOptimizer, it skips and halves its scale.
@@ -77,7 +84,7 @@ class _Untracked:
 
 def _distributed_strategy_of(variable):
     """The strategy that owns `variable` (a Keras or tf variable), or None."""
-    inner = variable.value if isinstance(variable, keras.Variable) else variable
+    inner = variable.value if isinstance(variable, _KERAS_3_VARIABLE) else variable
     if isinstance(inner, tf.distribute.DistributedValues):
         return inner.distribute_strategy
     return None
@@ -197,7 +204,7 @@ def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip
 
 def _is_loss_scale_optimizer(optimizer) -> bool:
     """Keras 3's LossScaleOptimizer, or tf-keras' (`tf.keras` in a tf-keras process)."""
-    return isinstance(optimizer, (keras.optimizers.LossScaleOptimizer,
+    return isinstance(optimizer, (_KERAS_3_LOSS_SCALE_OPTIMIZER,
                                   tf.keras.mixed_precision.LossScaleOptimizer))
 
 

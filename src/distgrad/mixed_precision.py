@@ -70,7 +70,8 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
     def __init__(self, inner_optimizer, *args, **kwargs):
         super().__init__(inner_optimizer, *args, **kwargs)
         self._skips_reported = None  # `skipped_steps` when the step was traced / last fit
-        # distgrad's AccumulatingOptimizer refuses a wrapper that does not say this.
+        # distgrad's AccumulatingOptimizer refuses, on 2+ replicas, a wrapper that does not
+        # say this.
         if hasattr(inner_optimizer, "overflow_checked_on_every_replica"):
             inner_optimizer.overflow_checked_on_every_replica = True
 

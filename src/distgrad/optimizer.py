@@ -8,7 +8,10 @@ This file imports only TensorFlow and Keras: copy it into a project and use it a
 
 from __future__ import annotations
 
+import gc
+import math
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -59,17 +62,21 @@ def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) ->
                          "it without; AccumulatingOptimizer(accumulation_steps=) accumulates.")
 
 
-# Keras' own LossScaleOptimizer is refused (see `_check_loss_scale_wrapper`).
+# Keras' own LossScaleOptimizer is refused (see `_check_loss_scale_wrapper`): fix first.
 STOCK_WRAPPER_MESSAGE = (
-    "AccumulatingOptimizer is inside Keras' own LossScaleOptimizer (model.compile adds it "
-    "under the 'mixed_float16' policy). That wrapper takes the overflow check from replica "
-    "0 only (keras/src/optimizers/loss_scale_optimizer.py, `_tf_apply`), so an overflow on "
-    "another replica would not lower the loss scale and would drop a whole accumulation "
-    "cycle; and it keeps no count of the micro-batches it skips. Wrap it yourself, and "
-    "compile adds nothing: model.compile(optimizer=distgrad.AllReplicasFiniteLossScaleOptimizer("
-    "distgrad.AccumulatingOptimizer(inner, accumulation_steps)), ...) "
-    "(distgrad/mixed_precision.py, copyable alone). It is refused on every replica count, so "
-    "that code that runs on one device also runs on eight.")
+    "Under mixed_float16 on {replicas} replicas, hand model.compile the loss-scale wrapper "
+    "yourself: model.compile(optimizer=distgrad.AllReplicasFiniteLossScaleOptimizer("
+    "distgrad.AccumulatingOptimizer(inner, accumulation_steps)), ...) (a custom loop wraps "
+    "it the same way). Keras' own LossScaleOptimizer around it (compile adds one) checks "
+    "replica 0's gradients only: distgrad lesson 04 "
+    "(notebooks/04_loss_scale_optimizer_pitfall.py).")
+# Keras' wrapper on one replica, when it cannot be found to read its loss scale.
+UNFOUND_WRAPPER_MESSAGE = (
+    "Under mixed_float16, hand model.compile the loss-scale wrapper yourself: "
+    "model.compile(optimizer=distgrad.AllReplicasFiniteLossScaleOptimizer("
+    "distgrad.AccumulatingOptimizer(inner, accumulation_steps)), ...). Keras' "
+    "LossScaleOptimizers found around this AccumulatingOptimizer: {found}, or it was built "
+    "before one wrapped it; so it could not count the micro-batches a wrapper skips.")
 # Steps Keras traces that cannot run on several replicas (see `_unrunnable_step`).
 STEPS_PER_EXECUTION_MESSAGE = (
     "AccumulatingOptimizer: this step is traced inside a tf.function called from a tf.cond "
@@ -123,6 +130,22 @@ def _unrunnable_step(replicas: int) -> str | None:
     return None
 
 
+def _loss_scale_optimizers_around(optimizer) -> list:
+    """Keras' LossScaleOptimizers whose inner optimizer is `optimizer`. Keras' wrapper gives
+    its inner optimizer no reference to itself (it only sets `loss_scale_factor = None`), so
+    it is looked up among the objects that refer to the inner one: an instance refers to its
+    attributes directly, or through its `__dict__`."""
+    referrers = gc.get_referrers(optimizer)
+    dicts = [r for r in referrers if isinstance(r, dict)]
+    found = []
+    for candidate in referrers + (gc.get_referrers(*dicts) if dicts else []):
+        if (isinstance(candidate, keras.optimizers.LossScaleOptimizer)
+                and vars(candidate).get("inner_optimizer") is optimizer
+                and not any(candidate is f for f in found)):
+            found.append(candidate)
+    return found
+
+
 def _overwritten(variable) -> bool:  # float8 scales and amax histories: assigned, not stepped
     return getattr(variable, "overwrite_with_gradient", False)
 
@@ -152,19 +175,20 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     each micro-batch before it is accumulated and skips (and counts, in its
     `skipped_steps`) a micro-batch that overflowed on *any* replica, halving the scale;
     the cycle then waits for k finite micro-batches, so no cycle is lost. Keras' own
-    wrapper (the one `compile` adds) checks replica 0 only and counts nothing: it is
-    refused at the first step, on every replica count, so that code that runs on one
-    device runs right on eight. Why refuse rather than repair: an overflow must lower
-    the wrapper's scale, and an inner optimizer holds no reference to its wrapper (it
-    only sees `loss_scale_factor` set to None), so it could skip a bad micro-batch but
-    never lower the scale, and the same overflow would come back. `MicroBatching` and
-    `GradientAccumulator` hold the optimizer itself: they repair Keras' wrapper instead.
+    wrapper (the one `compile` adds) is right on one replica, the only one it checks, and
+    is used there: the micro-batches it skips are counted in `skipped_micro_batches` (read
+    off its loss scale, which halves at each skip) and warned of at the end of `fit`. On
+    2+ replicas it checks replica 0 only: it is refused in `build`, before the first step,
+    with the fix as the first sentence. Refused rather than repaired there: an overflow
+    must lower the wrapper's scale, which only the wrapper can do.
 
     State (optimizer variables, saved by `model.save` and `tf.train.Checkpoint`):
         total_micro_steps: micro-batches accumulated, never reset (a `LossScaleOptimizer`
             skip is not one). micro_steps: those of the current cycle, `0 <= n < k`.
         skipped_updates: cycles dropped as non-finite. A `fit` that dropped some ends
             with a `UserWarning` (Keras calls `finalize_variable_values` then).
+        skipped_micro_batches: only inside Keras' own `LossScaleOptimizer` (one replica):
+            the micro-batches it skipped; also warned of at the end of `fit`.
         accumulators: replica-local (ON_READ, SUM) float32 sums (float64 for float64
             variables); a checkpoint holds their sum over replicas.
         iterations: the inner optimizer's: updates (schedules, Adam, EMA count those).
@@ -179,11 +203,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     Raises:
         ValueError: bad `accumulation_steps` / `non_finite`; an inner optimizer with its own
-            accumulation; clipping, weight decay, EMA... given to the wrapper; (first step)
-            "raise" in an XLA-compiled step, which cannot raise; Keras' own
-            `LossScaleOptimizer` around it (the one `compile` adds under
-            `mixed_float16`): pass `AllReplicasFiniteLossScaleOptimizer(this)` to
-            `compile`; on 2+ replicas, `compile(steps_per_execution > 1)`, and
+            accumulation; clipping, weight decay, EMA... given to the wrapper; (`build`,
+            before the first step) Keras' own `LossScaleOptimizer` around it (the one
+            `compile` adds under `mixed_float16`) on 2+ replicas: pass
+            `AllReplicasFiniteLossScaleOptimizer(this)` to `compile`; (first step)
+            "raise" in an XLA-compiled step, which cannot raise; on 2+ replicas,
+            `compile(steps_per_execution > 1)`, and
             `jit_compile=True` on devices that are not all GPUs, which stock Keras
             cannot run there either (the message names the fix).
         TypeError: `inner_optimizer` is not a Keras 3 optimizer; distgrad 0.1's keywords
@@ -214,6 +239,9 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._built_under, self._under_loss_scaling = None, False
         self._skips_reported = None  # `skipped_updates` when the step was traced / last fit
         self.micro_steps = self.skipped_updates = None  # variables, created by `build`
+        # Inside Keras' own wrapper on one replica (see `_check_loss_scale_wrapper`).
+        self._stock_wrapper = self.skipped_micro_batches = self._next_loss_scale = None
+        self._micro_skips_reported = 0
         for option in CLIP_OPTIONS:
             setattr(self, option, getattr(inner_optimizer, option))
             setattr(inner_optimizer, option, None)
@@ -266,7 +294,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         return list(self._accumulators)
 
     def build(self, var_list):
-        """Create accumulators and counters (under the strategy everything was created in)."""
+        """Create accumulators and counters (under the strategy everything was created in).
+
+        Keras' own `LossScaleOptimizer` around it is refused here on 2+ replicas (found,
+        to count its skips, on one): `fit` builds the optimizer before its first step,
+        and so does the wrapper's first `apply`."""
+        self._check_loss_scale_wrapper()  # every call: the wrapper builds its inner one too
         if self.built:
             return
         strategy = tf.distribute.get_strategy()
@@ -301,6 +334,16 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self.skipped_updates = self.add_variable(
                 (), initializer="zeros", dtype=self._iterations.dtype,
                 aggregation="only_first_replica", name="skipped_updates")
+            if self._stock_wrapper is not None:
+                self.skipped_micro_batches = self.add_variable(
+                    (), initializer="zeros", dtype=self._iterations.dtype,
+                    aggregation="only_first_replica", name="skipped_micro_batches")
+                # The wrapper's loss scale after the last micro-batch that reached this
+                # optimizer, as it stays unless the wrapper skips some: each skip halves it.
+                self._next_loss_scale = self.add_variable(
+                    (), initializer=keras.initializers.Constant(
+                        self._stock_wrapper().initial_scale),
+                    dtype="float32", aggregation="only_first_replica", name="next_loss_scale")
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self._built_under = strategy
@@ -325,6 +368,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._check_step()
         self._check_loss_scale_wrapper()
         self._check_variables_are_known(trainable_variables)
+        if self._stock_wrapper is not None:
+            self._count_stock_wrapper_skips()
         if self._skips_reported is None:  # the first trace: a restored count is not news
             self._skips_reported = self._skipped_now()
         # BaseOptimizer's filter: ValueError if no gradient at all, Keras' warning if some.
@@ -502,8 +547,34 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             raise ValueError(message)
 
     def _check_loss_scale_wrapper(self):
-        if self._under_loss_scaling and not self.overflow_checked_on_every_replica:
-            raise ValueError(STOCK_WRAPPER_MESSAGE)
+        # In `build`: before any weight moves, and outside Keras' traced `Cond.call()`. Again
+        # in `apply`, for a wrapper that would never build its inner optimizer.
+        if not self._under_loss_scaling or self.overflow_checked_on_every_replica:
+            return
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            raise ValueError(STOCK_WRAPPER_MESSAGE.format(replicas=replicas))
+        if self._stock_wrapper is None:
+            wrappers = _loss_scale_optimizers_around(self)
+            if len(wrappers) != 1:  # one left over from an earlier compile, not collected?
+                gc.collect()
+                wrappers = _loss_scale_optimizers_around(self)
+            if len(wrappers) != 1 or self.built:  # built alone: no counter for its skips
+                raise ValueError(UNFOUND_WRAPPER_MESSAGE.format(found=len(wrappers)))
+            self._stock_wrapper = weakref.ref(wrappers[0])  # no checkpoint dependency
+
+    def _count_stock_wrapper_skips(self, end_of_fit=False):
+        # Keras' wrapper calls `apply` for finite micro-batches only, after unscaling them
+        # and before its growth step; a skip halves its scale. So the scale now, against the
+        # scale the last call left it at, counts the skips in between: exactly (powers of 2).
+        wrapper = self._stock_wrapper()
+        scale = tf.convert_to_tensor(wrapper.dynamic_scale)
+        skipped = tf.math.log(self._next_loss_scale / scale) / math.log(2.0)
+        self.skipped_micro_batches.assign_add(tf.cast(tf.round(skipped), tf.int64))
+        if not end_of_fit:  # then this call's own step: doubles the scale after enough
+            scale = tf.where(tf.equal(wrapper.step_counter, wrapper.dynamic_growth_steps - 1),
+                             2.0 * scale, scale)
+        self._next_loss_scale.assign(scale)
 
     def set_weights(self, weights):  # `variables`: the wrapper's, then the inner optimizer's
         weights, own = list(weights), len(self._variables)
@@ -519,6 +590,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
         if self.skipped_updates is None:
             return
+        if self._stock_wrapper is not None:
+            self._warn_of_stock_wrapper_skips()
         skipped, before = self._skipped_now(), self._skips_reported
         if before is not None and skipped > before:
             warnings.warn(
@@ -526,6 +599,19 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 f"({skipped} in all, `optimizer.skipped_updates`): their cycle's gradients "
                 "were NaN/Inf on some replica, and nothing was applied.", stacklevel=2)
         self._skips_reported = skipped
+
+    def _warn_of_stock_wrapper_skips(self):
+        self._count_stock_wrapper_skips(end_of_fit=True)  # the skips after the last call
+        skipped, before = int(self.skipped_micro_batches.numpy()), self._micro_skips_reported
+        if skipped > before:
+            scale = float(self._stock_wrapper().dynamic_scale.numpy())
+            warnings.warn(
+                f"AccumulatingOptimizer: {skipped - before} micro-batch(es) skipped in this fit "
+                f"({skipped} in all, `skipped_micro_batches`): their gradients overflowed, "
+                f"and Keras' LossScaleOptimizer halved its scale each time (now {scale:g}). A "
+                "few are expected while the scale comes down from its initial value.",
+                stacklevel=3)
+        self._micro_skips_reported = skipped
 
     def _skipped_now(self) -> int:
         with tf.init_scope():  # eager, also while a step is being traced

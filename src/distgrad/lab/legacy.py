@@ -60,11 +60,18 @@ def legacy_keras_available() -> bool:
 
 
 def _check_tf_keras():
-    """The tf_keras module, after checking that `tf.keras` is it in this process."""
+    """The tf_keras module, after checking that `tf.keras` is it in this process; or, in a
+    child run without the switch on TensorFlow <= 2.15, the `keras` 2.x that is tf.keras."""
+    import tensorflow as tf
+
+    if (os.environ.get(LEGACY_ENV) is None
+            and tf.keras.Model.__module__.startswith("keras.src.engine.")):
+        import keras  # TensorFlow <= 2.15's own Keras 2
+
+        return keras
     if os.environ.get(LEGACY_ENV) != "1":
         raise RuntimeError(f"{LEGACY_ENV}=1 must be set before TensorFlow is imported; "
                            "call this through run_legacy.")
-    import tensorflow as tf
     import tf_keras
 
     if not tf.keras.Model.__module__.startswith("tf_keras"):
@@ -110,8 +117,10 @@ def run_legacy(target: str, replicas: int = 1, timeout: float = DEFAULT_TIMEOUT_
 
     `target` is `"package.module:function"`, imported only in the child, which has
     `TF_USE_LEGACY_KERAS=1` (and `env`) in its environment before TensorFlow is
-    imported. `kwargs` must be JSON-serializable; so must the return value, after
-    numpy/tensor conversion (`distgrad.lab.child.to_json`).
+    imported (`env={"TF_USE_LEGACY_KERAS": None}` runs it without the switch: on
+    TensorFlow <= 2.15, whose own tf.keras is Keras 2). `kwargs` must be
+    JSON-serializable; so must the return value, after numpy/tensor conversion
+    (`distgrad.lab.child.to_json`).
 
     Raises:
         TypeError / ValueError: a malformed target, `replicas` not an integer >= 1, or
@@ -125,13 +134,14 @@ def run_legacy(target: str, replicas: int = 1, timeout: float = DEFAULT_TIMEOUT_
     check_target(target)
     positive_int("replicas", replicas)
     timeout = check_timeout(timeout)
-    if not legacy_keras_available():
+    env = {LEGACY_ENV: "1", **(env or {})}  # {LEGACY_ENV: None}: TF <= 2.15's own tf.keras
+    if env[LEGACY_ENV] is not None and not legacy_keras_available():
         raise ImportError("tf-keras is not installed, so legacy Keras 2 cannot be run: "
                           "`pip install tf-keras` (the same minor version as tensorflow).")
     try:
         result = run_child("distgrad.lab.legacy:_call_in_child",
                            {"target": target, "replicas": replicas, "kwargs": kwargs},
-                           env={**(env or {}), LEGACY_ENV: "1"}, timeout=timeout)
+                           env=env, timeout=timeout)
     except ChildError as err:
         raise ChildError(f"{target} under tf-keras: {err}") from None
     value = result.value

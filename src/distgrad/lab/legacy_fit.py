@@ -14,14 +14,14 @@ it, so a child may use a copied file of it instead.
 from __future__ import annotations
 
 import contextlib
-import os
-
-if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
-    raise ImportError("distgrad.lab.legacy_fit is tf-keras code: run it through "
-                      "distgrad.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
 
 import numpy as np
 import tensorflow as tf
+
+# tf-keras, or TensorFlow <= 2.15's own Keras 2 (a run_legacy child without the switch).
+if not tf.keras.Model.__module__.startswith(("tf_keras.", "keras.src.engine.")):
+    raise ImportError("distgrad.lab.legacy_fit is tf-keras code: run it through "
+                      "distgrad.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
 
 keras = tf.keras  # tf-keras here (the child's legacy_strategy checks it)
 

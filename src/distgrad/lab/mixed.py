@@ -14,19 +14,87 @@ import dataclasses
 import keras
 import numpy as np
 
-from distgrad.lab.compare import weights_of
+from distgrad.lab.compare import weight_diff, weights_of
 from distgrad.lab.data import regression_data, tiny_model
 
 # A target this far from the data makes the scaled gradient of its example exceed
 # float16's largest finite value (65504) at any loss scale >= 1, while the float32
 # loss stays finite: an overflow caused by loss scaling, not by the forward pass.
 OUTLIER_TARGET = 1.0e4
-# Tolerances for comparing two mixed_float16 runs that compute the same update in a
-# different order (k micro-batches vs one big batch). float16 keeps 10 mantissa bits
-# (machine epsilon 2**-10 ~ 9.8e-4) and every float16 op rounds to that, so two orders
-# of summation agree only to about that. The float32 checks stay at 1e-6.
-MIXED_PRECISION_RTOL = 1e-2
-MIXED_PRECISION_ATOL = 1e-3
+# float16 stores 10 of its 11 significant bits: rounding to nearest is off by at most
+# u = 2**-11 of the exact value (its unit roundoff; float32's is 2**-24).
+FLOAT16_UNIT_ROUNDOFF = 2.0**-11
+# The course's mixed-precision model: `tiny_model`, 4 features -> 8 tanh units -> 1 output.
+TINY_MODEL_WIDTHS = (4, 8, 1)
+
+
+def float16_rtol(roundings: int) -> float:
+    """How far apart two float16 computations of the same value can land, relative to the
+    magnitudes involved, when each rounds at most `roundings` times in sequence, in any
+    order (another kernel, another summation order, a fused op): twice gamma_n =
+    n*u / (1 - n*u), u = 2**-11 (Higham, *Accuracy and Stability of Numerical Algorithms*,
+    2nd ed., Lemma 3.1). ValueError unless 0 < n*u < 1."""
+    nu = roundings * FLOAT16_UNIT_ROUNDOFF
+    if not 0 < nu < 1:
+        raise ValueError(f"roundings must be between 1 and {2**11 - 1}, got {roundings}.")
+    return 2 * nu / (1 - nu)
+
+
+def step_roundings(batch: int, widths=TINY_MODEL_WIDTHS) -> int:
+    """The longest chain of float16 roundings in one gradient of an MLP with these layer
+    `widths` (tanh hidden layers), from the input to a kernel gradient, on `batch` examples
+    summed by one replica: forward, per layer, a dot product of fan-in terms, the bias and
+    the activation; the loss gradient cast to float16 and scaled; backward, per hidden
+    layer, the input gradient (a dot product of fan-out terms) and the activation's
+    derivative (two ops); then the kernel gradient's sum over the batch. Counted as if
+    every sum rounded after each term (float16 accumulation, which AVX512-FP16 kernels
+    may do); kernels that accumulate in float32 round less."""
+    forward = sum(fan_in + 2 for fan_in in widths[:-1])
+    backward = 2 + sum(fan_out + 2 for fan_out in widths[2:]) + batch
+    return forward + backward
+
+
+def _float16_ratios(actual, expected, initial):
+    # Per weight: how far the two changes from `initial` are apart, over the larger change.
+    ratios = []
+    for a, e, i in zip(actual, expected, initial):
+        a, e, i = (np.asarray(w, np.float64) for w in (a, e, i))
+        change = max(np.abs(a - i).max(initial=0.0), np.abs(e - i).max(initial=0.0))
+        apart = np.abs(a - e).max(initial=0.0)
+        ratios.append(0.0 if apart == 0.0 else apart / change if change else np.inf)
+    return ratios
+
+
+def check_float16_close(actual, expected, initial, batch: int, what: str = "weights"):
+    """Assert two float16 trainings from the same `initial` weights made the same updates
+    up to float16 rounding: for every weight, the largest difference of the two is at
+    most `float16_rtol(step_roundings(batch))` of the largest change either made. `batch`
+    is the most examples one replica sums in one float16 gradient, in either run.
+
+    Norm-wise, per weight: float16's bound is relative to the magnitudes summed, so an
+    element that cancels to near zero may be off by more than itself. Returns the
+    `WeightDiff` of the weights, for printing."""
+    rtol = float16_rtol(step_roundings(batch))
+    ratios = _float16_ratios(actual, expected, initial)
+    if max(ratios) > rtol:
+        raise AssertionError(
+            f"{what} differ by more than float16 rounding: {max(ratios):.3e} of the largest "
+            f"change, over the float16 bound {rtol:.3e} (batch {batch}).")
+    return weight_diff(actual, expected)
+
+
+def check_float16_apart(actual, expected, initial, batch: int, what: str = "weights"):
+    """Assert the opposite of `check_float16_close`: some weight's two changes differ by
+    more than float16 rounding explains (a pitfall must make a real difference)."""
+    rtol = float16_rtol(step_roundings(batch))
+    ratios = _float16_ratios(actual, expected, initial)
+    if max(ratios) <= rtol:
+        raise AssertionError(
+            f"{what} agree within float16 rounding ({max(ratios):.3e} of the largest change, "
+            f"bound {rtol:.3e}): no real difference.")
+    return weight_diff(actual, expected)
+
+
 # Keras' default initial loss scale. It is meant to overflow in the first steps (a
 # scale that is too high costs a skipped step; one that is too low loses gradients),
 # and on 1 replica it does so on this lesson's data. Controlled experiments start
@@ -80,7 +148,9 @@ class MixedFitRecord:
     (micro-batches accumulated so far; = iterations without accumulation) and
     `weights_finite[t]` are read after micro-batch t+1; `accumulator_dtypes` and
     `skipped_updates` (cycles `AccumulatingOptimizer` dropped as non-finite, at the end)
-    are None without accumulation.
+    are None without accumulation; `skipped_micro_batches` are the steps the loss-scale
+    wrapper skipped (distgrad's `skipped_steps`; for Keras' own around an
+    `AccumulatingOptimizer` on one replica, the latter's count of them), None otherwise.
     """
 
     replicas: int
@@ -94,6 +164,7 @@ class MixedFitRecord:
     skipped_updates: int | None
     initial_weights: list
     final_weights: list
+    skipped_micro_batches: int | None = None
 
 
 class LossScaleTrajectory(keras.callbacks.Callback):
@@ -139,7 +210,8 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
     `distgrad.AccumulatingOptimizer(..., accumulation_steps)` unless
     `accumulation_steps` is None. With `initial_scale=None` it is handed to
     `model.compile` as is, so Keras adds its own `LossScaleOptimizer` (default scale
-    2**15; `AccumulatingOptimizer` refuses it at the first step); otherwise it is
+    2**15; `AccumulatingOptimizer` counts its skips on one replica, and refuses it in
+    `build` on several); otherwise it is
     wrapped here in `wrapper` (default distgrad's `AllReplicasFiniteLossScaleOptimizer`)
     with `initial_scale` and `dynamic_growth_steps`. `non_finite` is passed to
     `AccumulatingOptimizer` when given (None: its default).
@@ -167,6 +239,8 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
                   callbacks=[trajectory])
     wrapped = model.optimizer.inner_optimizer
     dtypes = skipped = None
+    micro_skips = getattr(model.optimizer, "skipped_steps",
+                          getattr(wrapped, "skipped_micro_batches", None))
     if accumulation_steps is not None:
         dtypes = tuple(a.dtype for a in wrapped.accumulators)
         skipped = int(np.asarray(wrapped.skipped_updates))
@@ -177,4 +251,5 @@ def mixed_precision_fit(strategy, x, y, batch_size: int, accumulation_steps: int
         total_micro_steps=tuple(trajectory.total_micro_steps),
         weights_finite=tuple(trajectory.weights_finite), accumulator_dtypes=dtypes,
         skipped_updates=skipped,
-        initial_weights=initial, final_weights=weights_of(model))
+        initial_weights=initial, final_weights=weights_of(model),
+        skipped_micro_batches=None if micro_skips is None else int(np.asarray(micro_skips)))

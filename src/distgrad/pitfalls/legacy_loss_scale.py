@@ -12,14 +12,13 @@ optimizer inside `tf.keras.mixed_precision.LossScaleOptimizer`.
 
 from __future__ import annotations
 
-import os
-
-if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
-    raise ImportError("distgrad.pitfalls.legacy_loss_scale is tf-keras code: run it through "
-                      "distgrad.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
-
 import numpy as np
 import tensorflow as tf
+
+# tf-keras, or TensorFlow <= 2.15's own Keras 2 (a run_legacy child without the switch).
+if not tf.keras.Model.__module__.startswith(("tf_keras.", "keras.src.engine.")):
+    raise ImportError("distgrad.pitfalls.legacy_loss_scale is tf-keras code: run it through "
+                      "distgrad.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
 
 from distgrad.lab.legacy import legacy_strategy
 from distgrad.pitfalls.question_mask_patch import QuestionMaskPatch

@@ -20,8 +20,8 @@ import warnings
 
 import tensorflow as tf
 
-# Where tf.keras.Model lives in Keras 2: tf-keras (tested: 2.21), or the `keras` 2.x of
-# TensorFlow <= 2.15 (accepted, not tested here).
+# Where tf.keras.Model lives in Keras 2: tf-keras (tested: 2.15-2.21), or the `keras` 2.x of
+# TensorFlow <= 2.15 (tested: TensorFlow 2.15.1's Keras 2.15.0, by `make matrix TF=2.15`).
 KERAS_2_PACKAGES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
 NON_FINITE_POLICIES = ("raise", "skip")
 NON_FINITE_MESSAGE = ("AccumulatingOptimizer: NaN/Inf gradients on some replica in the cycle "
@@ -31,7 +31,7 @@ NON_FINITE_HINT = ("(total_micro_steps); nothing applied. non_finite='skip' woul
 
 
 def _tf_keras():
-    """`tf.keras` if it is Keras 2 (tf-keras, or TensorFlow <= 2.15's Keras), else ImportError."""
+    """`tf.keras` if it is Keras 2 (tf-keras, or TensorFlow 2.15's Keras), else ImportError."""
     try:
         keras, model_module = tf.keras, tf.keras.Model.__module__
     except (ImportError, AttributeError) as err:  # TF_USE_LEGACY_KERAS=1 without tf-keras
