@@ -37,8 +37,8 @@ def broken_copy(tmp_path, name, old, new):
     return copy
 
 
-def test_actionlint_passes_the_workflows_and_names_the_error_of_a_broken_copy(tmp_path):
-    assert actionlint(*sorted(WORKFLOWS.glob("*.yml"))).returncode == 0
+def test_actionlint_names_the_error_of_a_broken_copy(tmp_path):
+    # The workflows themselves pass in `make lint`; a copy with one reference broken fails.
     copy = broken_copy(tmp_path, "ci.yml", "steps.deployment.outputs.page_url",
                        "steps.deploy.outputs.page_url")
     result = actionlint(copy)
@@ -58,9 +58,6 @@ def test_actionlint_knows_the_declared_gpu_label_only(tmp_path):
 def test_the_workflow_schema_rejects_a_job_without_a_runner(tmp_path):
     check = [sys.executable, "-m", "check_jsonschema", "--builtin-schema",
              "vendor.github-workflows"]
-    ok = subprocess.run([*check, *sorted(map(str, WORKFLOWS.glob("*.yml")))],
-                        capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0, ok.stdout
     copy = broken_copy(tmp_path, "nightly.yml", "    runs-on: ubuntu-latest\n", "")
     result = subprocess.run([*check, str(copy)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "runs-on" in result.stdout
