@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lint copy-lessons lessons site site-test chromium serve unit unit-and-lessons bench gpu-check matrix clean
+.PHONY: course test install lint copy-lessons lessons site site-test chromium slurm serve unit unit-and-lessons bench gpu-check matrix clean
 
 install: $(STAMP)
 
@@ -66,6 +66,19 @@ chromium:
 	    exit 1; \
 	  fi; }
 
+# A one-node SLURM for tests/test_slurm.py (Debian's slurm-wlm and munge), installed with
+# apt when missing and we are root (CI), once per machine. The test writes its own
+# configuration, key and state under a temporary directory and starts and stops its own
+# daemons (tests/slurm_harness.py); it never touches /etc/slurm or /etc/munge. Not root:
+# the test skips, and says why.
+slurm:
+	@command -v sbatch >/dev/null 2>&1 && test -x /usr/sbin/slurmctld && test -x /usr/sbin/munged || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurm-wlm munge; \
+	  else \
+	    echo "SLURM is not installed: tests/test_slurm.py will skip (it needs root, and 'sudo apt-get install slurm-wlm munge')."; \
+	  fi; }
+
 course: lessons site
 	@echo ""
 	@echo "Course executed on: $$($(PY) -c 'import distgrad,json; print(json.dumps(distgrad.environment_report()))' 2>/dev/null)"
@@ -79,7 +92,7 @@ serve: install
 lint: install
 	$(PY) -m ruff check .
 
-unit: install
+unit: install slurm
 	mkdir -p build
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
@@ -109,7 +122,7 @@ unit-and-lessons: install copy-lessons
 
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.
-test: install
+test: install slurm
 	$(MAKE) lint
 	mkdir -p build && rm -f $(PYTEST_STATUS)
 	$(MAKE) unit-and-lessons
