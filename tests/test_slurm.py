@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 import slurm_harness
-from test_cluster import PASSED, SBATCH, SMALL, TRAIN, UPDATES, _env
+from test_cluster import PASSED, ROOT, SBATCH, SMALL, TRAIN, UPDATES, _env
 
 from distgrad.lab.multiworker import free_ports
 
@@ -105,3 +105,18 @@ def test_srun_of_train_py_check_passes_on_every_task(slurm, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert result.stdout.count(PASSED) == 2, result.stdout
     assert np.isfinite(float(re.search(r"longest backup ([\d.]+) s", result.stdout)[1]))
+
+
+def test_srun_sets_what_the_resolver_reads_and_the_stock_resolver_fails(slurm, tmp_path):
+    # The variables tests/test_upstream_reports.py and test_cluster.py set by hand for a
+    # task of `srun -n 2` on one node, and upstream report 11 under srun itself.
+    script = ROOT / "docs" / "upstream" / "slurm_resolver_without_gpus.py"
+    result = slurm.run(["srun", "-n", "2", "bash", "-c",
+                        'echo "$SLURM_PROCID $SLURM_STEP_NUM_TASKS $SLURM_STEP_NODELIST '
+                        '$SLURM_STEP_TASKS_PER_NODE"; "$0" "$1"', sys.executable, str(script)],
+                       check=False, env=_env(), cwd=tmp_path, timeout_s=300)
+    assert sorted(result.stdout.splitlines()) == [
+        f"{task} 2 {slurm.node} 2" for task in (0, 1)], result.stdout
+    assert result.returncode != 0
+    assert result.stderr.count("ValueError: range() arg 3 must not be zero") == 2, \
+        result.stderr[-3000:]
