@@ -104,7 +104,8 @@ unit: install slurm
 # one by one (files not listed here run last).
 LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   $(EXECUTED)/05_accumulate_in_train_step.ipynb tests/test_benchmarks.py \
-  $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_train_step.py \
+  $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_slurm.py \
+  tests/test_cluster.py tests/test_train_step.py \
   tests/test_user_paths.py tests/test_fix_cells.py tests/test_backup_and_restore.py \
   $(EXECUTED)/08_preemption_and_resume.ipynb tests/test_optimizer.py \
   $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py tests/test_preemption.py \

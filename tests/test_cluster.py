@@ -111,6 +111,24 @@ def test_the_stock_resolver_runs_nvidia_smi_by_default(monkeypatch):
         tf.distribute.cluster_resolver.SlurmClusterResolver()
 
 
+# ------------------------------------------------------------------------ alone
+
+
+def test_alone_it_trains_equal_to_one_device_and_warns_of_a_backup_near_the_timeout(tmp_path):
+    # Alone, no collective timeout applies; the warning compares the backups with the
+    # one given (here 1 ms: every backup takes longer).
+    result = subprocess.run(
+        [sys.executable, str(TRAIN), "--check", "--epochs", "1", "--backup-dir",
+         str(tmp_path / "backup"), "--collective-timeout", "0.001"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "collective timeout none (one machine)" in lines[0]
+    assert lines[-1].startswith(PASSED)
+    assert "over half the collective timeout (0.001 s): raise --collective-timeout" in \
+        result.stdout
+
+
 # ------------------------------------------------------------- two workers, TF_CONFIG
 
 
@@ -165,6 +183,13 @@ def test_two_tf_config_workers_mixed_equal_one_device_and_the_chief_alone_logs(t
 
 
 # ------------------------------------------------------------- dead or stuck workers
+
+
+def test_the_coordination_service_runs_in_worker_0():
+    from tensorflow.python.distribute import multi_worker_util
+
+    cluster = {"worker": ["host-a:20000", "host-b:20000"]}
+    assert multi_worker_util.coordination_leader(cluster) == "/job:worker/replica:0/task:0"
 
 
 def peer_experiment(fault: str, timeout_s: float, stuck_s: float = 0.0) -> dict:

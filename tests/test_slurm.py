@@ -13,6 +13,7 @@ Skipped only where this process is not root; as root without SLURM, it fails.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import sys
@@ -85,12 +86,23 @@ def test_a_slurm_job_requeued_twice_resumes_and_equals_one_device(slurm, tmp_pat
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "2"), \
         report
     first, second, third = runs_of(text)
+    # SLURM_RESTART_COUNT: 0, 1, 2.
+    assert [int(r) for r in re.findall(r"^job \d+, run (\d+), on ", text, re.M)] == [1, 2, 3]
     assert start_update(first) == 0
     # Each run resumed from the backup of the run before, mid-run.
     assert 2 <= start_update(second) <= last_update(first) < UPDATES, report
     assert start_update(second) < start_update(third) <= last_update(second) < UPDATES, report
     assert "preempted (exit 75): requeueing job" in second, report  # the script's own requeue
     assert PASSED not in first + second, report
+    assert "preempted" not in first, report  # scontrol requeue ended the script too
+    # A requeued job starts again once its credential expired (cred_expire, 5 s here).
+    log = (slurm.root / "log" / "slurmctld.log").read_text()
+    stamps = re.findall(r"^\[([\d:T-]+)\.\d+\] (Requeuing|sched: Allocate) JobId=", log, re.M)
+    assert [what for _, what in stamps] == ["sched: Allocate", "Requeuing"] * 2 + [
+        "sched: Allocate"], log
+    times = [datetime.datetime.fromisoformat(stamp) for stamp, _ in stamps]
+    for requeued, allocated in ((times[1], times[2]), (times[3], times[4])):
+        assert 5 <= (allocated - requeued).total_seconds() < 10, stamps
     assert third.count(PASSED) == 2 and last_update(third) == UPDATES, report
     print(f"SLURM job: {seconds:.0f} s, interruptions {interruptions}")
 

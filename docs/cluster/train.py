@@ -121,10 +121,11 @@ class BackupTimer(keras.callbacks.Callback):
         if self.start is not None:  # the one before BackupAndRestore: the backup begins
             self.start.began = time.monotonic()
             return
-        self.longest = max(self.longest, time.monotonic() - self.began)
-        if self.longest > self.timeout / 2:
-            print(f"warning: a backup took {self.longest:.1f} s, over half the collective "
-                  f"timeout ({self.timeout:.0f} s): raise --collective-timeout", flush=True)
+        seconds = time.monotonic() - self.began
+        if seconds > self.timeout / 2 and seconds > self.longest:  # once per new longest
+            print(f"warning: a backup took {seconds:.2f} s, over half the collective "
+                  f"timeout ({self.timeout:g} s): raise --collective-timeout", flush=True)
+        self.longest = max(self.longest, seconds)
 
 
 class Chief(keras.callbacks.Callback):
@@ -204,8 +205,10 @@ def main():
                       distgrad.BackupAndRestore(args.backup_dir, save_freq=1), timer]
     callbacks.append(Chief(args, schedule, updates) if chief else Throttle(args.throttle))
     if chief:
+        several = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         print(f"{replicas} replicas, {k} micro-batches of {global_batch} per update, "
-              f"{updates} updates, collective timeout {args.collective_timeout:.0f} s",
+              f"{updates} updates, collective timeout " + (
+                  f"{args.collective_timeout:g} s" if several else "none (one machine)"),
               flush=True)
     model.fit(data, epochs=args.epochs, verbose=0, callbacks=callbacks, shuffle=False)
     if args.backup_dir and chief:
