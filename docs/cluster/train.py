@@ -76,15 +76,16 @@ def make_strategy(args):
     # longest pause between two all-reduces: a backup (BackupTimer below watches it).
     options = tf.distribute.experimental.CommunicationOptions(
         timeout_seconds=args.collective_timeout)
-    for gpu in tf.config.list_physical_devices("GPU"):
+    several = "TF_CONFIG" in os.environ or int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+    if not several:  # alone: this machine's GPUs (one is split in two), or two logical CPUs
+        return distgrad.make_strategy()
+    for gpu in tf.config.list_physical_devices("GPU"):  # allocate as needed
         tf.config.experimental.set_memory_growth(gpu, True)
     if "TF_CONFIG" in os.environ:
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:  # under srun
-        port = args.port or 20000 + int(os.environ["SLURM_JOB_ID"]) % 10000
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=slurm_resolver(port), communication_options=options)
-    return distgrad.make_strategy()  # alone: this machine's GPUs, or two logical CPUs
+    port = args.port or 20000 + int(os.environ["SLURM_JOB_ID"]) % 10000  # under srun
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=slurm_resolver(port), communication_options=options)
 
 
 def load_data(global_batch, batches):
