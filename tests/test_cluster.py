@@ -182,6 +182,32 @@ def test_two_tf_config_workers_mixed_equal_one_device_and_the_chief_alone_logs(t
     assert max(logged["skipped_micro_batches"].values()) == 0
 
 
+SIGTERM_HANDLER = """
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None)
+def handler():  # the process' SIGTERM handler: the first field of its struct sigaction
+    action = ctypes.create_string_buffer(256)
+    libc.sigaction(signal.SIGTERM, None, action)
+    return ctypes.c_void_p.from_buffer(action).value
+signal.signal(signal.SIGTERM, lambda *_: None)
+before = handler()
+import tensorflow as tf
+tf.distribute.MultiWorkerMirroredStrategy()
+print("replaced" if handler() != before else "kept", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_multi_worker_strategy_replaces_the_sigterm_handler():
+    # Why train.py sets its handler after the strategy (set before, it never ran).
+    [port] = free_ports(1)
+    config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
+                         "task": {"type": "worker", "index": 0}})
+    result = subprocess.run([sys.executable, "-c", SIGTERM_HANDLER], capture_output=True,
+                            text=True, timeout=120, env=_env(TF_CONFIG=config))
+    assert result.stdout.strip() == "replaced", result.stdout + result.stderr[-2000:]
+
+
 # ------------------------------------------------------------- dead or stuck workers
 
 

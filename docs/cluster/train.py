@@ -179,7 +179,7 @@ class Throttle(keras.callbacks.Callback):  # the other workers: wait as long as 
 def main():
     args = parse_args()
     strategy = make_strategy(args)  # before any other TensorFlow work
-    # After the strategy: its coordination service installs a SIGTERM handler of its own.
+    # After the strategy: starting a multi-worker one, TensorFlow replaces the SIGTERM handler.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(PREEMPTED))  # resume from the backup
     tf.config.experimental.enable_tensor_float_32_execution(False)  # float32 for the check
     if args.mixed:
