@@ -18,7 +18,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lint copy-lessons lessons site site-test chromium nodejs serve unit unit-and-lessons bench gpu-check matrix clean
+.PHONY: course test install lint copy-lessons lessons site site-test chromium nodejs slurm serve unit unit-and-lessons bench gpu-check matrix clean
 
 install: $(STAMP)
 
@@ -69,6 +69,19 @@ chromium:
 	    exit 1; \
 	  fi; }
 
+# A one-node SLURM for tests/test_slurm.py (Debian's slurm-wlm and munge), installed with
+# apt when missing and we are root (CI), once per machine. The test writes its own
+# configuration, key and state under a temporary directory and starts and stops its own
+# daemons (tests/slurm_harness.py); it never touches /etc/slurm or /etc/munge. Not root:
+# the test skips, and says why.
+slurm:
+	@command -v sbatch >/dev/null 2>&1 && test -x /usr/sbin/slurmctld && test -x /usr/sbin/munged || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurm-wlm munge; \
+	  else \
+	    echo "SLURM is not installed: tests/test_slurm.py will skip (it needs root, and 'sudo apt-get install slurm-wlm munge')."; \
+	  fi; }
+
 course: lessons site
 	@echo ""
 	@echo "Course executed on: $$($(PY) -c 'import distgrad,json; print(json.dumps(distgrad.environment_report()))' 2>/dev/null)"
@@ -108,7 +121,7 @@ nodejs:
 	    exit 1; \
 	  fi; }
 
-unit: install
+unit: install slurm
 	mkdir -p build
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
@@ -120,7 +133,8 @@ unit: install
 # one by one (files not listed here run last).
 LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   $(EXECUTED)/05_accumulate_in_train_step.ipynb tests/test_benchmarks.py \
-  $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_train_step.py \
+  $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_slurm.py \
+  tests/test_cluster.py tests/test_train_step.py \
   tests/test_user_paths.py tests/test_fix_cells.py tests/test_backup_and_restore.py \
   $(EXECUTED)/08_preemption_and_resume.ipynb tests/test_optimizer.py \
   $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py tests/test_preemption.py \
@@ -138,7 +152,7 @@ unit-and-lessons: install copy-lessons
 
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.
-test: install
+test: install slurm
 	$(MAKE) lint
 	mkdir -p build && rm -f $(PYTEST_STATUS)
 	$(MAKE) unit-and-lessons

@@ -67,6 +67,7 @@ COMMAND = re.compile(r"\[`python (?P<script>\w+\.py)(?P<mixed> --mixed)?`\]"
                      r"\(#(?P<recipe>[\w-]+)\)"
                      r"(?P<workers> on \[each worker\]\(#several-workers\))?")
 PASSED = "recipe check passed"
+TIMEOUT = "CommunicationOptions(timeout_seconds=300)"  # every recipe's, on several workers
 TIMEOUT_S = 360  # one run, all its processes; a hang (e.g. workers that never meet) fails
 
 
@@ -138,6 +139,8 @@ def test_every_recipe_on_the_page_is_run_and_fits_the_page():
         assert sum(1 for line in lines if line.strip()) <= 60, name  # blank lines aside
         assert max(map(len, lines)) <= 100, name  # the content column shows 100 characters
         assert source.count(PASSED) == 1 and "--mixed" in source and "TF_CONFIG" in source
+        # Several workers: a collective timeout (the several-workers section says why).
+        assert source.count("MultiWorkerMirroredStrategy(") == source.count(TIMEOUT) == 1, name
 
 
 def test_the_launch_block_gives_each_of_two_workers_its_tf_config():
@@ -242,10 +245,8 @@ def test_keras3_mixed_on_two_workers_skips_together_when_one_worker_overflows(wa
     # the worker that overflowed skipped while the other waited in the gradient all-reduce
     # until `Collective has timed out`.
     source = RECIPES[f"{way}-keras3"]
-    old = "tf.distribute.MultiWorkerMirroredStrategy()"
-    assert source.count(old) == 1
-    source = source.replace(old, "tf.distribute.MultiWorkerMirroredStrategy(communication_options="
-                            "tf.distribute.experimental.CommunicationOptions(timeout_seconds=30))")
+    assert source.count(TIMEOUT) == 1
+    source = source.replace(TIMEOUT, "CommunicationOptions(timeout_seconds=30)")
     source, count = re.subn(r"^(y = .*)$", r"\1\ny[MICRO + MICRO // 2 + 1] = 1e4", source,
                             flags=re.MULTILINE)
     assert count == 1

@@ -36,6 +36,11 @@ ALLOWED_IMPORTS = {"numpy", "tensorflow", "keras"}
 INVALID_ARGUMENT = "tensorflow.python.framework.errors_impl.InvalidArgumentError"
 UNFED = "You must feed a value for placeholder tensor"
 MULTI_WORKER = {"multi_worker_fit"}  # run as 2 worker processes, one replica each
+# Run with the variables `srun -n 2` sets for task 0 on one node (tests/test_slurm.py
+# checks them on a real SLURM), and without GPUs.
+SLURM_TASK = {"slurm_resolver_without_gpus": {
+    "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+    "SLURM_STEP_TASKS_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": ""}}
 
 
 def _keras_adam_step(gradient_sum: float, sum_of_squares: float) -> float:
@@ -104,13 +109,17 @@ RUNS = {
         fragments=("Attempt to convert a value (PerReplica:{",
                    ("with an unsupported type (<class 'tensorflow.python.distribute.values."
                     "PerReplica'>) to a Tensor"))),
+    ("slurm_resolver_without_gpus", "keras"): Expected(
+        {"gpus_per_task": 0}, error_type="builtins.ValueError",
+        fragments=("range() arg 3 must not be zero",)),
 }
 
 
 def _run(stem: str, keras_module: str) -> dict:
     names = sorted(RUNS[stem, keras_module].values)
     kwargs = {"path": str(UPSTREAM / f"{stem}.py"), "names": names, "keras_module": keras_module}
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")]),
+           **SLURM_TASK.get(stem, {})}
     if stem not in MULTI_WORKER:
         return run_child("upstream_runner:run_script", kwargs, env=env, timeout=300).value
     outcomes = [worker.check().value for worker in run_workers(
@@ -179,6 +188,9 @@ def test_a_reproduction_is_short_stock_code_with_its_own_two_replicas(path):
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
     if path.stem in MULTI_WORKER:
         assert "MultiWorkerMirroredStrategy" in called and "TF_CONFIG" in source
+    elif path.stem in SLURM_TASK:  # one task of a SLURM job step: SLURM's variables
+        assert {"SlurmClusterResolver", "MultiWorkerMirroredStrategy"} <= called
+        assert all(name in source for name in SLURM_TASK[path.stem] if name.startswith("SLURM"))
     else:
         assert {"set_logical_device_configuration", "MirroredStrategy"} <= called
 
