@@ -197,10 +197,11 @@ show_code(BackupAndRestore.on_train_batch_begin)
 # ## 3 · The packaged form
 #
 # `distgrad.callbacks.BackupAndRestore(backup_dir, save_freq="epoch" | n,
-# double_checkpoint=False, delete_checkpoint=True)` takes Keras' arguments and writes
-# Keras' two files, `latest.weights.h5` (`model.save_weights`: model and optimizer
-# variables) and `training_metadata.json`, with the position in the data added. It copies
-# alone into a project (`src/distgrad/callbacks.py`: TensorFlow and Keras only). Exact
+# double_checkpoint=False, delete_checkpoint=True)` takes Keras' arguments. Each backup
+# writes `ckpt-<n>.weights.h5` (`model.save_weights`: model and optimizer variables), then
+# commits it with Keras' `training_metadata.json`, which names it and adds the position in
+# the data (deep dive below). It copies into a project with the commit's module
+# (`src/distgrad/callbacks.py` and `backup_commit.py`: TensorFlow and Keras only). Exact
 # resume needs the data in the same order at every start, so it checks at `fit` start, the
 # first time too: with a backup every n batches, data that cannot come in the same order
 # again is refused before the first step. Keras' default `fit(x, y)` shuffles arrays anew
@@ -236,8 +237,9 @@ assert model.optimizer.iterations.numpy() == 0  # refused before the first step
 #   masks (`tests/test_backup_and_restore.py` measures it). Other callbacks' state
 #   (`ReduceLROnPlateau`, `EarlyStopping`) is not in the backup either.
 # * **Several workers** need one directory every worker can read (a shared file system or
-#   a bucket): the chief writes the backup; the other workers write a throwaway copy
-#   next to it and delete it (the deep dive below checks that only the chief's remains).
+#   a bucket): the chief writes the backup; the other workers write their copy (a
+#   collective all join) to a local temporary directory and delete it (the deep dive
+#   below checks that only the chief's files are there).
 # * **The batches since the last backup are lost** and trained again after the restart, as
 #   with any backup: choose `save_freq` by what a backup costs (deep dive below) against
 #   what a lost batch costs.
@@ -263,7 +265,7 @@ started = time.monotonic()
 first = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
                     save_freq=3, collective_timeout=15, kill_after=10)
 failed_after = time.monotonic() - started
-left_behind = sorted(os.listdir(shared))  # worker 1's throwaway copy is gone
+left_behind = sorted(os.listdir(shared))  # the chief's files only
 with open(os.path.join(shared, "training_metadata.json")) as file:
     at_restart = json.load(file)
 second = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
@@ -278,7 +280,7 @@ print(f"the first start ended after {failed_after:.0f} s; the backup it left hol
 assert first[1].returncode == -9 and first[0].error["type"] in {"UnavailableError",
                                                                 "DeadlineExceededError"}
 assert (at_restart["epoch"], at_restart["batches_done"]) == (1, 1)  # 9 batches = 8 + 1
-assert left_behind == ["latest.weights.h5", "training_metadata.json"]
+assert left_behind == ["ckpt-3.weights.h5", "training_metadata.json"]  # backups 3, 6, 9
 for worker in second:
     resumed = backup.FitResult(**worker.check().value)
     assert resumed.updates == uninterrupted.updates == 5
@@ -496,7 +498,9 @@ def accumulators_in_backup(cut):  # (bytes, any nonzero) after a fit stopped aft
         backup.one_fit(strategy, directory, save_freq=1, stop=backup.Interrupt(cut))
     except backup.Preempted:
         pass
-    with h5py.File(os.path.join(directory, "latest.weights.h5")) as file:
+    with open(os.path.join(directory, "training_metadata.json")) as file:
+        weights = json.load(file)["weights"]  # the file the backup's manifest names
+    with h5py.File(os.path.join(directory, weights)) as file:
         stored = [file[f"optimizer/vars/{i}"] for i in accumulators]
         return (sum(d.size * d.dtype.itemsize for d in stored),
                 any(np.any(np.asarray(d) != 0) for d in stored))
@@ -518,13 +522,16 @@ print(f"{params} trainable weights; each accumulator has {R} copies on the devic
 # %% [markdown]
 # ## Deep dive · A kill while the backup is written
 #
-# A process can die while it writes. Each backup goes to `pending.weights.h5` and
-# `pending_metadata.json` first, then both are renamed over the backup, weights first,
-# metadata last. Killed before the first rename, the previous backup stands whole; killed
-# between the renames, the new weights stand with the pending metadata, which the restart
-# reads (`tests/test_backup_and_restore.py` kills it before the first rename and resumes
-# exactly). Here, the state a kill between the renames leaves, and the restart that reads
-# it:
+# A process can die while it writes, and on object storage (gs://, s3://) a rename is a
+# copy followed by a delete: only the write of one object is atomic. So each backup writes
+# its weights under a new name, `ckpt-<n>.weights.h5`, then commits them by writing one
+# small object that names them, `training_metadata.json` (as `.tmp`, then renamed: atomic
+# on a local disk, one object copied in a bucket); only then is the previous backup's file
+# deleted. A restart reads that manifest and the file it names only: killed before the
+# commit, it finds the previous backup whole, after it the new one
+# (`tests/test_backup_commit.py` kills the process at every file operation of a backup, on
+# emulated object storage, on 1 and 2 workers). Here, the state a kill just before the
+# second backup's commit leaves, and the restart that reads it:
 
 # %%
 between = os.path.join(work, "between")
@@ -533,8 +540,8 @@ calls = []
 
 def rename_then_die(*args, **kwargs):
     calls.append(args)
-    if len(calls) == 4:  # the second backup's second rename: its metadata
-        raise backup.Preempted("killed between the two renames")
+    if len(calls) == 2:  # the second backup's commit: its manifest renamed over the first's
+        raise backup.Preempted("killed before the commit")
     return rename(*args, **kwargs)
 
 model = backup.build(strategy)
@@ -546,13 +553,15 @@ except backup.Preempted:
 finally:
     tf.io.gfile.rename = rename
 print(sorted(os.listdir(between)))
-assert sorted(os.listdir(between)) == ["latest.weights.h5", "pending_metadata.json",
-                                       "training_metadata.json"]
+assert sorted(os.listdir(between)) == ["ckpt-1.weights.h5", "ckpt-2.weights.h5",
+                                       "training_metadata.json", "training_metadata.json.tmp"]
+with open(os.path.join(between, "training_metadata.json")) as file:
+    assert json.load(file)["weights"] == "ckpt-1.weights.h5"  # not committed: the first
 resumed = backup.one_fit(strategy, between)
 assert resumed.updates == uninterrupted.updates and resumed.micro_steps == 16
 for got, want in zip(resumed.weights, uninterrupted.weights):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-print("resumed from the backup of batch 6: equal to the uninterrupted run")
+print("resumed from the backup of batch 3: equal to the uninterrupted run")
 
 # %% [markdown]
 # ## Takeaways

@@ -126,6 +126,17 @@ class FitResult:
     history: dict
 
 
+def assert_same_run(got: FitResult, expected: FitResult) -> None:
+    """Equal updates and micro-batches, weights to float32 rounding, equal epoch logs."""
+    assert (got.updates, got.micro_steps, got.loss_scale) == (
+        expected.updates, expected.micro_steps, expected.loss_scale)
+    for a, b in zip(got.weights, expected.weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    epochs = len(got.history["loss"])  # a resumed fit logs the epochs it ran
+    for name, values in got.history.items():
+        np.testing.assert_allclose(values, expected.history[name][-epochs:], rtol=1e-6)
+
+
 def result_of(model: keras.Model, history) -> FitResult:
     from distgrad.callbacks import accumulating_optimizer_of
 
@@ -142,21 +153,26 @@ def result_of(model: keras.Model, history) -> FitResult:
                  for name, values in history.history.items()})
 
 
-def _callback(callback: str, backup_dir: str, save_freq):
+def _callback(callback: str, backup_dir: str, save_freq, double_checkpoint=False):
     from distgrad.callbacks import BackupAndRestore
 
     classes = {"keras": keras.callbacks.BackupAndRestore, "distgrad": BackupAndRestore}
-    return classes[callback](backup_dir, save_freq=save_freq)
+    return classes[callback](backup_dir, save_freq=save_freq,
+                             double_checkpoint=double_checkpoint)
 
 
 def one_fit(strategy, backup_dir: str, kind: str = "accumulating", callback: str = "distgrad",
             save_freq=3, stop=None, steps_per_epoch=None, multi_worker=False,
-            data=None, extra=()) -> FitResult:
+            data=None, extra=(), batches: int = BATCHES,
+            double_checkpoint: bool = False) -> FitResult:
     """One `fit` of a fresh model with the backup callback, then the callbacks `extra`,
-    then `stop` (a callback that ends it early), if given."""
+    then `stop` (a callback that ends it early), if given. Without `data`: `dataset` of
+    `batches` batches per epoch."""
     model = build(strategy, kind, multi_worker=multi_worker)
-    data = dataset(repeat=steps_per_epoch is not None) if data is None else data
-    callbacks = [_callback(callback, backup_dir, save_freq), *extra] + ([stop] if stop else [])
+    if data is None:
+        data = dataset(batches, repeat=steps_per_epoch is not None)
+    callbacks = [_callback(callback, backup_dir, save_freq, double_checkpoint), *extra]
+    callbacks += [stop] if stop else []
     history = model.fit(data, epochs=EPOCHS, steps_per_epoch=steps_per_epoch, verbose=0,
                         callbacks=callbacks, shuffle=False)  # (a tf.data pipeline's own order)
     return result_of(model, history)
