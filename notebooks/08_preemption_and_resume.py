@@ -197,11 +197,13 @@ show_code(BackupAndRestore.on_train_batch_begin)
 # ## 3 · The packaged form
 #
 # `distgrad.callbacks.BackupAndRestore(backup_dir, save_freq="epoch" | n,
-# double_checkpoint=False, delete_checkpoint=True)` takes Keras' arguments. Each backup
+# double_checkpoint=False, delete_checkpoint=True, handle_sigterm=True)` takes Keras'
+# arguments, and on `SIGTERM` backs up and exits with status 42 (deep dive). Each backup
 # writes `ckpt-<n>.weights.h5` (`model.save_weights`: model and optimizer variables), then
 # commits it with Keras' `training_metadata.json`, which names it and adds the position in
 # the data (deep dive below). It copies into a project with the commit's module
-# (`src/distgrad/callbacks.py` and `backup_commit.py`: TensorFlow and Keras only). Exact
+# (`src/distgrad/callbacks.py`, `backup_commit.py` and `preemption.py`: TensorFlow and
+# Keras only). Exact
 # resume needs the data in the same order at every start, so it checks at `fit` start, the
 # first time too: with a backup every n batches, data that cannot come in the same order
 # again is refused before the first step. Keras' default `fit(x, y)` shuffles arrays anew
@@ -240,9 +242,9 @@ assert model.optimizer.iterations.numpy() == 0  # refused before the first step
 #   a bucket): the chief writes the backup; the other workers write their copy (a
 #   collective all join) to a local temporary directory and delete it (the deep dive
 #   below checks that only the chief's files are there).
-# * **The batches since the last backup are lost** and trained again after the restart, as
-#   with any backup: choose `save_freq` by what a backup costs (deep dive below) against
-#   what a lost batch costs.
+# * **After a `SIGKILL` or a crash, the batches since the last backup are lost** and
+#   trained again after the restart, as with any backup: choose `save_freq` by what a
+#   backup costs (deep dive below) against what a lost batch costs. A `SIGTERM` loses none.
 #
 # </div>
 
@@ -564,6 +566,52 @@ for got, want in zip(resumed.weights, uninterrupted.weights):
 print("resumed from the backup of batch 3: equal to the uninterrupted run")
 
 # %% [markdown]
+# ## Deep dive · A `SIGTERM`: finish the batch, back up, exit 42
+#
+# Spot VMs and schedulers (SLURM, Kubernetes) send `SIGTERM` some seconds before they kill
+# the process. `BackupAndRestore` handles it unless `handle_sigterm=False`: the batch then
+# running is finished and backed up, whatever `save_freq` says, and the process exits with
+# status `PREEMPTED_EXIT_CODE`, 42 (the code `tf.distribute`'s own preemption handling
+# restarts on). A job script requeues on it: in SLURM, `[ $? -eq 42 ] && scontrol requeue
+# $SLURM_JOB_ID`. A handler installed before `fit` is called too, and is back in place
+# after it. Here the process signals itself after batch 5 of the default
+# `save_freq="epoch"`, which alone would lose the epoch; Python runs the handler during
+# batch 6, whose end is backed up:
+
+# %%
+import signal
+
+from distgrad.callbacks import PREEMPTED_EXIT_CODE
+
+handler_before = signal.getsignal(signal.SIGTERM)
+sigterm_dir = os.path.join(work, "sigterm")
+try:
+    backup.one_fit(strategy, sigterm_dir, save_freq="epoch", stop=backup.TermSelf(5))
+    raise AssertionError("the SIGTERM did not end the fit")
+except SystemExit as exited:  # a script exits here; the notebook's kernel catches it
+    status = exited.code
+with open(os.path.join(sigterm_dir, "training_metadata.json")) as file:
+    at_sigterm = json.load(file)
+print(f"exit status {status}; backup of epoch {at_sigterm['epoch']}, "
+      f"{at_sigterm['batches_done']} batches done")
+assert status == PREEMPTED_EXIT_CODE == 42
+assert (at_sigterm["epoch"], at_sigterm["batches_done"]) == (0, 6)
+assert signal.getsignal(signal.SIGTERM) is handler_before
+backup.assert_same_run(backup.one_fit(strategy, sigterm_dir, save_freq="epoch"),
+                       uninterrupted)
+print("resumed after batch 6: equal to the uninterrupted run")
+
+# %% [markdown]
+# On several workers, every worker must back up after the same batch: the backup is a
+# collective. Each step all-reduces, so no worker is more than one batch ahead of another:
+# the worker that got the signal picks the batch after the one it finished and publishes
+# it in the coordination service's key-value store, as `PreemptionCheckpointHandler`
+# does; every worker's watcher thread acknowledges it before that batch can end. Between
+# signals the handler costs a look at a flag per batch (`benchmarks/sigterm_cost.py`).
+# `tests/test_backup_sigterm.py` signals one worker of two: both back up after the same
+# batch, both exit with 42, and the restarted cluster equals the uninterrupted run.
+
+# %% [markdown]
 # ## Takeaways
 #
 # * Keras 3's `BackupAndRestore(save_freq=n)` restarts the interrupted epoch from its first
@@ -574,6 +622,8 @@ print("resumed from the backup of batch 3: equal to the uninterrupted run")
 #   per iteration; the callback refuses them at `fit` start.
 # * On several workers, the chief's backup is the one every worker restores, and a dead
 #   peer fails the survivors within the collective timeout: restart the whole cluster.
+# * A `SIGTERM` loses nothing: the callback finishes the batch, every worker backs it up,
+#   and the process exits with 42, the status to requeue on.
 # * In a custom loop, checkpoint the `GradientAccumulator` and a micro-batch count, and
 #   `skip` that many batches when the pipeline is rebuilt: TensorFlow 2.21 cannot
 #   checkpoint a distributed iterator. Under `PreemptionCheckpointHandler`, one all-reduce

@@ -14,9 +14,10 @@ micro-batches complete the cycle); this callback can apply them (`flush`) or dro
 `keras.callbacks.BackupAndRestore`, which resumes an interrupted epoch from its first
 batch (see its docstring).
 
-This file imports only TensorFlow, Keras, the standard library and `backup_commit.py`
+This file imports only TensorFlow, Keras, the standard library, `backup_commit.py`
 (`BackupAndRestore`'s commit protocol, imported as `distgrad.backup_commit` or, copied,
-as `backup_commit`): copy both files into a project. `AccumulationCallback` drives any
+as `backup_commit`) and `preemption.py` (its `SIGTERM` handler, likewise): copy the three
+files into a project. `AccumulationCallback` drives any
 optimizer with `flush()`, `discard()` and `skipped_updates` (distgrad's
 `AccumulatingOptimizer`), also inside a `LossScaleOptimizer`. In a custom loop, call
 `optimizer.flush()` or `optimizer.discard()` yourself after the epoch.
@@ -33,8 +34,13 @@ import tensorflow as tf
 
 try:
     from distgrad.backup_commit import FORMAT, LEGACY_FORMAT, BackupStore
-except ImportError:  # copied into a project: backup_commit.py beside this file
+    from distgrad.preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
+except ImportError:  # copied into a project: backup_commit.py, preemption.py beside it
     from backup_commit import FORMAT, LEGACY_FORMAT, BackupStore
+    from preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
+
+__all__ = ["AccumulationCallback", "BackupAndRestore", "PREEMPTED_EXIT_CODE",
+           "accumulating_optimizer_of"]
 
 INCOMPLETE_CYCLE_ACTIONS = ("carry", "flush", "discard")
 
@@ -228,6 +234,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         double_checkpoint: also keep the previous backup until the next one is committed,
             restored (with a warning) when the newest is missing, torn or unreadable.
         delete_checkpoint: delete the backup when `fit` ends normally.
+        handle_sigterm: back up and exit on `SIGTERM` (below); False leaves `SIGTERM`
+            alone (its default action ends the process, with no backup).
+
+    `SIGTERM` (a spot VM's or a scheduler's preemption notice), with `handle_sigterm`:
+    the batch running when it arrives is finished, backed up (whatever `save_freq`
+    says), and the process exits with status `PREEMPTED_EXIT_CODE` (42, the code
+    `tf.distribute`'s preemption handling restarts on): requeue the job on it, e.g. in
+    a SLURM script `[ $? -eq 42 ] && scontrol requeue $SLURM_JOB_ID`. The restart
+    resumes after that batch. On several workers every worker backs up after the same
+    batch and exits: the one that got the signal picks the batch after its current one
+    (the others may have started it) and tells them through the coordination service
+    (`preemption.py`); the others exit with the same status. The handler is installed
+    when `fit` starts (in the main thread; elsewhere it raises) and the one before is
+    restored when it ends; a Python handler installed before (yours, or a
+    `PreemptionCheckpointHandler`'s) is called too, when the signal arrives. A signal
+    that came when no trained batch was left is passed on when `fit` ends. (If `fit`
+    raises, Keras calls no callback after it: the handler stays until the next `fit`
+    with this callback.)
 
     Exact resume needs the data in the same order when `fit` starts again. At `fit`
     start it checks (even with no backup yet, so that the first run learns it): with
@@ -258,7 +282,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
-                 delete_checkpoint=True):
+                 delete_checkpoint=True, handle_sigterm=True):
         super().__init__()
         if not backup_dir:
             raise ValueError("Empty `backup_dir` argument passed")
@@ -272,6 +296,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
+        if not isinstance(handle_sigterm, bool):
+            raise ValueError(f"handle_sigterm must be True or False, got {handle_sigterm!r}.")
+        self.handle_sigterm = handle_sigterm
 
     # -- paths and roles ------------------------------------------------------------------
 
@@ -298,6 +325,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume = self._restore()
         if self._resume is not None:
             self.model._initial_epoch = self._resume["epoch"]
+        self._trained = 0  # batches trained by this fit (not read and dropped)
+        self._sigterm = None
+        if self.handle_sigterm:
+            strategy = self._strategy()
+            self._sigterm = SigtermWatch(cluster_of(strategy) if _is_multi_worker(strategy)
+                                         else None)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_done = epoch, 0
@@ -345,8 +378,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         self._since_backup += done - self._batches_done
         self._batches_done = done
+        self._trained += 1
         if self.save_freq != "epoch" and self._since_backup >= self.save_freq:
             self._backup(epoch=self._epoch, batch=done)
+        if self._sigterm is not None and self._sigterm.due(self._trained):
+            if self._since_backup:
+                self._backup(epoch=self._epoch, batch=done)
+            self._sigterm.exit(f"backed up after batch {done} of epoch {self._epoch}")
 
     def on_epoch_end(self, epoch, logs=None):
         self._end_resume()  # a backup after the epoch's last batch resumes into its end
@@ -354,6 +392,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._backup(epoch=epoch + 1, batch=0)
 
     def on_train_end(self, logs=None):
+        if self._sigterm is not None:
+            self._sigterm.close()
         self._end_resume()
         self.model._initial_epoch = None  # a later fit of this model starts where told
         if self.delete_checkpoint and self._writes():
