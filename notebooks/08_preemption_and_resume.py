@@ -197,10 +197,13 @@ show_code(BackupAndRestore.on_train_batch_begin)
 # ## 3 · The packaged form
 #
 # `distgrad.callbacks.BackupAndRestore(backup_dir, save_freq="epoch" | n,
-# double_checkpoint=False, delete_checkpoint=True)` takes Keras' arguments and writes
-# Keras' two files, `latest.weights.h5` (`model.save_weights`: model and optimizer
-# variables) and `training_metadata.json`, with the position in the data added. It copies
-# alone into a project (`src/distgrad/callbacks.py`: TensorFlow and Keras only). Exact
+# double_checkpoint=False, delete_checkpoint=True, handle_sigterm=True)` takes Keras'
+# arguments, and on `SIGTERM` backs up and exits with status 42 (deep dive). Each backup
+# writes `ckpt-<n>.weights.h5` (`model.save_weights`: model and optimizer variables), then
+# commits it with Keras' `training_metadata.json`, which names it and adds the position in
+# the data (deep dive below). It copies into a project with the commit's module
+# (`src/distgrad/callbacks.py`, `backup_commit.py` and `preemption.py`: TensorFlow and
+# Keras only). Exact
 # resume needs the data in the same order at every start, so it checks at `fit` start, the
 # first time too: with a backup every n batches, data that cannot come in the same order
 # again is refused before the first step. Keras' default `fit(x, y)` shuffles arrays anew
@@ -236,11 +239,12 @@ assert model.optimizer.iterations.numpy() == 0  # refused before the first step
 #   masks (`tests/test_backup_and_restore.py` measures it). Other callbacks' state
 #   (`ReduceLROnPlateau`, `EarlyStopping`) is not in the backup either.
 # * **Several workers** need one directory every worker can read (a shared file system or
-#   a bucket): the chief writes the backup; the other workers write a throwaway copy
-#   next to it and delete it (the deep dive below checks that only the chief's remains).
-# * **The batches since the last backup are lost** and trained again after the restart, as
-#   with any backup: choose `save_freq` by what a backup costs (deep dive below) against
-#   what a lost batch costs.
+#   a bucket): the chief writes the backup; the other workers write their copy (a
+#   collective all join) to a local temporary directory and delete it (the deep dive
+#   below checks that only the chief's files are there).
+# * **After a `SIGKILL` or a crash, the batches since the last backup are lost** and
+#   trained again after the restart, as with any backup: choose `save_freq` by what a
+#   backup costs (deep dive below) against what a lost batch costs. A `SIGTERM` loses none.
 #
 # </div>
 
@@ -263,7 +267,7 @@ started = time.monotonic()
 first = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
                     save_freq=3, collective_timeout=15, kill_after=10)
 failed_after = time.monotonic() - started
-left_behind = sorted(os.listdir(shared))  # worker 1's throwaway copy is gone
+left_behind = sorted(os.listdir(shared))  # the chief's files only
 with open(os.path.join(shared, "training_metadata.json")) as file:
     at_restart = json.load(file)
 second = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
@@ -278,7 +282,7 @@ print(f"the first start ended after {failed_after:.0f} s; the backup it left hol
 assert first[1].returncode == -9 and first[0].error["type"] in {"UnavailableError",
                                                                 "DeadlineExceededError"}
 assert (at_restart["epoch"], at_restart["batches_done"]) == (1, 1)  # 9 batches = 8 + 1
-assert left_behind == ["latest.weights.h5", "training_metadata.json"]
+assert left_behind == ["ckpt-3.weights.h5", "training_metadata.json"]  # backups 3, 6, 9
 for worker in second:
     resumed = backup.FitResult(**worker.check().value)
     assert resumed.updates == uninterrupted.updates == 5
@@ -496,7 +500,9 @@ def accumulators_in_backup(cut):  # (bytes, any nonzero) after a fit stopped aft
         backup.one_fit(strategy, directory, save_freq=1, stop=backup.Interrupt(cut))
     except backup.Preempted:
         pass
-    with h5py.File(os.path.join(directory, "latest.weights.h5")) as file:
+    with open(os.path.join(directory, "training_metadata.json")) as file:
+        weights = json.load(file)["weights"]  # the file the backup's manifest names
+    with h5py.File(os.path.join(directory, weights)) as file:
         stored = [file[f"optimizer/vars/{i}"] for i in accumulators]
         return (sum(d.size * d.dtype.itemsize for d in stored),
                 any(np.any(np.asarray(d) != 0) for d in stored))
@@ -518,13 +524,16 @@ print(f"{params} trainable weights; each accumulator has {R} copies on the devic
 # %% [markdown]
 # ## Deep dive · A kill while the backup is written
 #
-# A process can die while it writes. Each backup goes to `pending.weights.h5` and
-# `pending_metadata.json` first, then both are renamed over the backup, weights first,
-# metadata last. Killed before the first rename, the previous backup stands whole; killed
-# between the renames, the new weights stand with the pending metadata, which the restart
-# reads (`tests/test_backup_and_restore.py` kills it before the first rename and resumes
-# exactly). Here, the state a kill between the renames leaves, and the restart that reads
-# it:
+# A process can die while it writes, and on object storage (gs://, s3://) a rename is a
+# copy followed by a delete: only the write of one object is atomic. So each backup writes
+# its weights under a new name, `ckpt-<n>.weights.h5`, then commits them by writing one
+# small object that names them, `training_metadata.json` (as `.tmp`, then renamed: atomic
+# on a local disk, one object copied in a bucket); only then is the previous backup's file
+# deleted. A restart reads that manifest and the file it names only: killed before the
+# commit, it finds the previous backup whole, after it the new one
+# (`tests/test_backup_commit.py` kills the process at every file operation of a backup, on
+# emulated object storage, on 1 and 2 workers). Here, the state a kill just before the
+# second backup's commit leaves, and the restart that reads it:
 
 # %%
 between = os.path.join(work, "between")
@@ -533,8 +542,8 @@ calls = []
 
 def rename_then_die(*args, **kwargs):
     calls.append(args)
-    if len(calls) == 4:  # the second backup's second rename: its metadata
-        raise backup.Preempted("killed between the two renames")
+    if len(calls) == 2:  # the second backup's commit: its manifest renamed over the first's
+        raise backup.Preempted("killed before the commit")
     return rename(*args, **kwargs)
 
 model = backup.build(strategy)
@@ -546,13 +555,61 @@ except backup.Preempted:
 finally:
     tf.io.gfile.rename = rename
 print(sorted(os.listdir(between)))
-assert sorted(os.listdir(between)) == ["latest.weights.h5", "pending_metadata.json",
-                                       "training_metadata.json"]
+assert sorted(os.listdir(between)) == ["ckpt-1.weights.h5", "ckpt-2.weights.h5",
+                                       "training_metadata.json", "training_metadata.json.tmp"]
+with open(os.path.join(between, "training_metadata.json")) as file:
+    assert json.load(file)["weights"] == "ckpt-1.weights.h5"  # not committed: the first
 resumed = backup.one_fit(strategy, between)
 assert resumed.updates == uninterrupted.updates and resumed.micro_steps == 16
 for got, want in zip(resumed.weights, uninterrupted.weights):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-print("resumed from the backup of batch 6: equal to the uninterrupted run")
+print("resumed from the backup of batch 3: equal to the uninterrupted run")
+
+# %% [markdown]
+# ## Deep dive · A `SIGTERM`: finish the batch, back up, exit 42
+#
+# Spot VMs and schedulers (SLURM, Kubernetes) send `SIGTERM` some seconds before they kill
+# the process. `BackupAndRestore` handles it unless `handle_sigterm=False`: the batch then
+# running is finished and backed up, whatever `save_freq` says, and the process exits with
+# status `PREEMPTED_EXIT_CODE`, 42 (the code `tf.distribute`'s own preemption handling
+# restarts on). A job script requeues on it: in SLURM, `[ $? -eq 42 ] && scontrol requeue
+# $SLURM_JOB_ID`. A handler installed before `fit` is called too, and is back in place
+# after it. Here the process signals itself after batch 5 of the default
+# `save_freq="epoch"`, which alone would lose the epoch; Python runs the handler during
+# batch 6, whose end is backed up:
+
+# %%
+import signal
+
+from distgrad.callbacks import PREEMPTED_EXIT_CODE
+
+handler_before = signal.getsignal(signal.SIGTERM)
+sigterm_dir = os.path.join(work, "sigterm")
+try:
+    backup.one_fit(strategy, sigterm_dir, save_freq="epoch", stop=backup.TermSelf(5))
+    raise AssertionError("the SIGTERM did not end the fit")
+except SystemExit as exited:  # a script exits here; the notebook's kernel catches it
+    status = exited.code
+with open(os.path.join(sigterm_dir, "training_metadata.json")) as file:
+    at_sigterm = json.load(file)
+print(f"exit status {status}; backup of epoch {at_sigterm['epoch']}, "
+      f"{at_sigterm['batches_done']} batches done")
+assert status == PREEMPTED_EXIT_CODE == 42
+assert (at_sigterm["epoch"], at_sigterm["batches_done"]) == (0, 6)
+assert signal.getsignal(signal.SIGTERM) is handler_before
+backup.assert_same_run(backup.one_fit(strategy, sigterm_dir, save_freq="epoch"),
+                       uninterrupted)
+print("resumed after batch 6: equal to the uninterrupted run")
+
+# %% [markdown]
+# On several workers, every worker must back up after the same batch: the backup is a
+# collective. Each step all-reduces, so no worker is more than one batch ahead of another:
+# the worker that got the signal picks the batch after the one it finished and publishes
+# it in the coordination service's key-value store, as `PreemptionCheckpointHandler`
+# does; every worker's watcher thread acknowledges it before that batch can end. Between
+# signals the handler costs a look at a flag per batch (`benchmarks/sigterm_cost.py`).
+# `tests/test_backup_sigterm.py` signals one worker of two: both back up after the same
+# batch, both exit with 42, and the restarted cluster equals the uninterrupted run.
 
 # %% [markdown]
 # ## Takeaways
@@ -565,6 +622,8 @@ print("resumed from the backup of batch 6: equal to the uninterrupted run")
 #   per iteration; the callback refuses them at `fit` start.
 # * On several workers, the chief's backup is the one every worker restores, and a dead
 #   peer fails the survivors within the collective timeout: restart the whole cluster.
+# * A `SIGTERM` loses nothing: the callback finishes the batch, every worker backs it up,
+#   and the process exits with 42, the status to requeue on.
 # * In a custom loop, checkpoint the `GradientAccumulator` and a micro-batch count, and
 #   `skip` that many batches when the pipeline is rebuilt: TensorFlow 2.21 cannot
 #   checkpoint a distributed iterator. Under `PreemptionCheckpointHandler`, one all-reduce

@@ -3,6 +3,7 @@ never interrupted; Keras 3's own callback replays the interrupted epoch.
 
 Lesson 08 runs (and asserts) what is not repeated here: the restart of a 2-worker cluster
 after a SIGKILL, the bytes a mid-cycle backup holds, tf-keras' resume on other batches.
+`tests/test_backup_commit.py` kills the process at every file operation of a backup.
 
 The runs (`distgrad.lab.backup`): 2 epochs of 8 global batches of 8 examples, a `tf.data`
 pipeline, 2 replicas (`MirroredStrategy` on logical CPUs, or 2 worker processes);
@@ -20,30 +21,15 @@ import shutil
 import warnings
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
-from distgrad.callbacks import (
-    METADATA_FILE,
-    PENDING_METADATA_FILE,
-    PENDING_WEIGHTS_FILE,
-    BackupAndRestore,
-)
+from distgrad.backup_commit import MANIFEST as METADATA_FILE
+from distgrad.callbacks import BackupAndRestore
 from distgrad.lab import backup
+from distgrad.lab.backup import assert_same_run
 from distgrad.lab.child import run_child
 from distgrad.lab.compare import weight_diff
-
-
-def assert_same_run(got, expected):
-    """Equal updates and micro-batches, weights to float32 rounding, equal epoch logs."""
-    assert (got.updates, got.micro_steps, got.loss_scale) == (
-        expected.updates, expected.micro_steps, expected.loss_scale)
-    for a, b in zip(got.weights, expected.weights, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    epochs = len(got.history["loss"])  # a resumed fit logs the epochs it ran
-    for name, values in got.history.items():
-        np.testing.assert_allclose(values, expected.history[name][-epochs:], rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -276,34 +262,6 @@ def test_bad_save_freq_names_the_choices(save_freq):
 
 
 # ------------------------------------------------------------------ the files
-
-def test_a_kill_before_the_first_rename_leaves_the_previous_backup(strategy2, references,
-                                                                   tmp_path, monkeypatch):
-    """Killed at the second backup (after batch 6), its pending files written, before its
-    first rename: the backup of batch 3 stands, and the next fit resumes from it exactly.
-    (Lesson 08 kills it between its two renames.)"""
-    callback = BackupAndRestore(str(tmp_path), save_freq=3)
-    original, rename = callback._backup, tf.io.gfile.rename
-
-    def killed_at_the_rename(*args, **kwargs):
-        raise backup.Preempted("killed while renaming")
-
-    def backup_then_fail(epoch, batch):
-        if batch == 6:
-            monkeypatch.setattr(tf.io.gfile, "rename", killed_at_the_rename)
-        original(epoch, batch)
-
-    callback._backup = backup_then_fail
-    model = backup.build(strategy2)
-    with pytest.raises(backup.Preempted, match="killed while renaming"):
-        model.fit(backup.dataset(), epochs=2, verbose=0, callbacks=[callback], shuffle=False)
-    monkeypatch.undo()
-    assert tf.io.gfile.rename is rename
-    assert json.loads((tmp_path / METADATA_FILE).read_text())["batches_done"] == 3
-    assert (tmp_path / PENDING_WEIGHTS_FILE).exists()
-    assert (tmp_path / PENDING_METADATA_FILE).exists()
-    assert_same_run(backup.one_fit(strategy2, str(tmp_path)), references("accumulating", 3))
-
 
 def test_a_keras_backup_resumes_at_its_epoch_start_with_a_warning(strategy2, tmp_path):
     with pytest.raises(backup.Preempted):

@@ -1,6 +1,7 @@
 """The reference classes can be copied alone into a project, and train correctly there."""
 
 import ast
+import importlib.util
 import json
 import os
 import pathlib
@@ -12,9 +13,12 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
 REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
-                   "callbacks.py", "clipping.py", "normalization.py", "sparse.py",
-                   "multi_worker.py", "tf_keras/optimizer.py")
+                   "callbacks.py", "backup_commit.py", "preemption.py", "clipping.py",
+                   "normalization.py", "sparse.py", "multi_worker.py", "tf_keras/optimizer.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
+# A reference file copied together with another: it imports `distgrad.<module>`, or, copied
+# (no distgrad installed), `<module>` beside it. Its docstring says so.
+COPIED_WITH = {"callbacks.py": ("backup_commit", "preemption")}
 
 
 @pytest.mark.parametrize("name", REFERENCE_FILES)
@@ -27,7 +31,42 @@ def test_reference_module_imports_only_tensorflow_keras_numpy_and_the_stdlib(nam
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{name} has a relative import"
             roots.add(node.module.split(".")[0])
-    assert roots <= ALLOWED, f"{name} imports {sorted(roots - ALLOWED)}"
+            if name in COPIED_WITH and node.module.startswith("distgrad"):
+                assert node.module in {f"distgrad.{m}" for m in COPIED_WITH[name]}, node.module
+    companions = COPIED_WITH.get(name, ())
+    allowed = ALLOWED | ({"distgrad", *companions} if companions else set())
+    assert roots <= allowed, f"{name} imports {sorted(roots - ALLOWED)}"
+    for companion in companions:
+        assert f"`{companion}.py`" in ast.get_docstring(tree)
+
+
+def test_callbacks_copied_with_its_companions_backs_up_without_distgrad(tmp_path, monkeypatch):
+    """callbacks.py, backup_commit.py and preemption.py copied into a project without
+    distgrad: a fit's backup is written by the copy."""
+    import keras
+    import numpy as np
+
+    for name in ("callbacks.py", "backup_commit.py", "preemption.py"):
+        shutil.copy(SRC / name, tmp_path / name)
+    for module in ("distgrad", "distgrad.backup_commit", "distgrad.preemption"):  # as if
+        monkeypatch.setitem(sys.modules, module, None)  # distgrad were not installed
+    for module in ("backup_commit", "preemption"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = importlib.util.spec_from_file_location("copied_callbacks", tmp_path / "callbacks.py")
+    copied = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copied)
+    assert copied.BackupStore.__module__ == "backup_commit"
+    assert copied.SigtermWatch.__module__ == "preemption"
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.arange(32, dtype="float32").reshape(16, 2) / 16
+    backup_dir = tmp_path / "backup"
+    model.fit(x, x.sum(axis=1), batch_size=4, verbose=0, shuffle=False, callbacks=[
+        copied.BackupAndRestore(str(backup_dir), save_freq=2, delete_checkpoint=False)])
+    manifest = json.loads((backup_dir / "training_metadata.json").read_text())
+    assert (manifest["weights"], manifest["batches_done"]) == ("ckpt-2.weights.h5", 4)
+    assert sorted(os.listdir(backup_dir)) == ["ckpt-2.weights.h5", "training_metadata.json"]
 
 
 def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path):

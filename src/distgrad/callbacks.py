@@ -14,22 +14,33 @@ micro-batches complete the cycle); this callback can apply them (`flush`) or dro
 `keras.callbacks.BackupAndRestore`, which resumes an interrupted epoch from its first
 batch (see its docstring).
 
-This file imports only TensorFlow, Keras and the standard library: copy it into a project
-and use it alone. `AccumulationCallback` drives any optimizer with `flush()`, `discard()`
-and `skipped_updates` (distgrad's `AccumulatingOptimizer`), also inside a
-`LossScaleOptimizer`. In a custom loop, call `optimizer.flush()` or `optimizer.discard()`
-yourself after the epoch.
+This file imports only TensorFlow, Keras, the standard library, `backup_commit.py`
+(`BackupAndRestore`'s commit protocol, imported as `distgrad.backup_commit` or, copied,
+as `backup_commit`) and `preemption.py` (its `SIGTERM` handler, likewise): copy the three
+files into a project. `AccumulationCallback` drives any
+optimizer with `flush()`, `discard()` and `skipped_updates` (distgrad's
+`AccumulatingOptimizer`), also inside a `LossScaleOptimizer`. In a custom loop, call
+`optimizer.flush()` or `optimizer.discard()` yourself after the epoch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
 
 import keras
 import tensorflow as tf
+
+try:
+    from distgrad.backup_commit import FORMAT, LEGACY_FORMAT, BackupStore
+    from distgrad.preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
+except ImportError:  # copied into a project: backup_commit.py, preemption.py beside it
+    from backup_commit import FORMAT, LEGACY_FORMAT, BackupStore
+    from preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
+
+__all__ = ["AccumulationCallback", "BackupAndRestore", "PREEMPTED_EXIT_CODE",
+           "accumulating_optimizer_of"]
 
 INCOMPLETE_CYCLE_ACTIONS = ("carry", "flush", "discard")
 
@@ -108,14 +119,6 @@ class AccumulationCallback(keras.callbacks.Callback):
 # ---------------------------------------------------------------------------------------
 # BackupAndRestore
 # ---------------------------------------------------------------------------------------
-
-WEIGHTS_FILE = "latest.weights.h5"  # the names keras.callbacks.BackupAndRestore uses
-METADATA_FILE = "training_metadata.json"
-# A backup is written to these first, then renamed over the two files above: weights
-# first, metadata last, so a process killed mid-write leaves the previous backup whole.
-PENDING_WEIGHTS_FILE = "pending.weights.h5"
-PENDING_METADATA_FILE = "pending_metadata.json"
-FORMAT = "distgrad.BackupAndRestore/1"
 
 SHUFFLE_OPS = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
                "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
@@ -220,16 +223,35 @@ class BackupAndRestore(keras.callbacks.Callback):
     weights, `iterations` and epoch logs of the uninterrupted one.
 
     Args (those of `keras.callbacks.BackupAndRestore`):
-        backup_dir: directory of the backup, used by nothing else. On several workers
-            every worker must see the chief's files (a shared file system); the chief
-            writes them, the others write to `backup_dir/workertemp_<task id>` and
-            delete it, as tf-keras does.
+        backup_dir: directory of the backup, used by nothing else: a local path or one
+            `tf.io.gfile` reads (gs://, s3://). On several workers every worker must see
+            the chief's files (a shared file system, a bucket); only the chief writes
+            there (the others write their copy to a local temporary directory and delete
+            it).
         save_freq: "epoch" (at each epoch's end) or an integer n (every n batches,
             counted across epochs). `False` is refused: Keras keeps it for tf-keras'
             preemption saving, which Keras 3 does not have.
-        double_checkpoint: also keep the previous backup (`*.bkp`), restored when the
-            latest cannot be read.
+        double_checkpoint: also keep the previous backup until the next one is committed,
+            restored (with a warning) when the newest is missing, torn or unreadable.
         delete_checkpoint: delete the backup when `fit` ends normally.
+        handle_sigterm: back up and exit on `SIGTERM` (below); False leaves `SIGTERM`
+            alone (its default action ends the process, with no backup).
+
+    `SIGTERM` (a spot VM's or a scheduler's preemption notice), with `handle_sigterm`:
+    the batch running when it arrives is finished, backed up (whatever `save_freq`
+    says), and the process exits with status `PREEMPTED_EXIT_CODE` (42, the code
+    `tf.distribute`'s preemption handling restarts on): requeue the job on it, e.g. in
+    a SLURM script `[ $? -eq 42 ] && scontrol requeue $SLURM_JOB_ID`. The restart
+    resumes after that batch. On several workers every worker backs up after the same
+    batch and exits: the one that got the signal picks the batch after its current one
+    (the others may have started it) and tells them through the coordination service
+    (`preemption.py`); the others exit with the same status. The handler is installed
+    when `fit` starts (in the main thread; elsewhere it raises) and the one before is
+    restored when it ends; a Python handler installed before (yours, or a
+    `PreemptionCheckpointHandler`'s) is called too, when the signal arrives. A signal
+    that came when no trained batch was left is passed on when `fit` ends. (If `fit`
+    raises, Keras calls no callback after it: the handler stays until the next `fit`
+    with this callback.)
 
     Exact resume needs the data in the same order when `fit` starts again. At `fit`
     start it checks (even with no backup yet, so that the first run learns it): with
@@ -243,21 +265,24 @@ class BackupAndRestore(keras.callbacks.Callback):
     `save_weights` writes: the restart draws other masks), and other callbacks' state
     (`ReduceLROnPlateau`, `EarlyStopping`).
 
-    Files: `latest.weights.h5` (`model.save_weights`: model and optimizer variables)
-    and `training_metadata.json` (`epoch`, `batch` as Keras writes them, and the
-    position in the data, the metric totals and the batch count per epoch). Each backup
-    goes to `pending.*` files first, renamed over these after both are written: a
-    process killed while writing leaves the previous backup whole.
+    Files (`backup_commit.py`): `ckpt-<generation>.weights.h5` (`model.save_weights`:
+    model and optimizer variables), a new name for every backup, then the commit point
+    `training_metadata.json`, which names it (`epoch`, `batch` as Keras writes them, the
+    position in the data, the metric totals, the batch count per epoch). A process killed
+    at any file operation, also on object storage where a rename is a copy then a delete,
+    leaves the previous backup or the new one whole. distgrad 0.2's and Keras' own
+    backups (`latest.weights.h5`) still restore.
 
     Raises:
         ValueError: an empty `backup_dir`, a bad `save_freq`; (at `fit` start) data
             whose order cannot repeat with `save_freq=n`; an unbuilt model; a backup
             whose epochs had another number of batches than this `fit` (other data or
-            batch size); a backup of another model (Keras' own message).
+            batch size); a backup of another model (Keras' own message); a newest backup
+            missing or torn with no previous one kept (`double_checkpoint`).
     """
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
-                 delete_checkpoint=True):
+                 delete_checkpoint=True, handle_sigterm=True):
         super().__init__()
         if not backup_dir:
             raise ValueError("Empty `backup_dir` argument passed")
@@ -271,22 +296,21 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.double_checkpoint = double_checkpoint
         self.delete_checkpoint = delete_checkpoint
+        if not isinstance(handle_sigterm, bool):
+            raise ValueError(f"handle_sigterm must be True or False, got {handle_sigterm!r}.")
+        self.handle_sigterm = handle_sigterm
 
     # -- paths and roles ------------------------------------------------------------------
-
-    def _path(self, name: str, directory: str | None = None) -> str:
-        return os.path.join(directory or self.backup_dir, name)
 
     def _strategy(self):
         return self.model.distribute_strategy
 
-    def _write_dir(self) -> str:
-        """The chief writes the backup; other workers write a throwaway copy, since reading
-        replica-local variables (accumulators) is a collective every worker must join."""
+    def _writes(self) -> bool:
+        """Whether this process writes the backup: the chief does. The others still call
+        `save_weights` (into a local temporary file): reading replica-local variables
+        (accumulators) is a collective every worker must join."""
         strategy = self._strategy()
-        if not _is_multi_worker(strategy) or strategy.extended.should_checkpoint:
-            return self.backup_dir
-        return self._path(f"workertemp_{strategy.cluster_resolver.task_id}")
+        return not _is_multi_worker(strategy) or strategy.extended.should_checkpoint
 
     # -- fit hooks --------------------------------------------------------------------------
 
@@ -297,9 +321,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches_done = 0  # of the current epoch
         self._since_backup = 0
         self._real_train_function = None
+        self._store = BackupStore(self.backup_dir, keep_previous=self.double_checkpoint)
         self._resume = self._restore()
         if self._resume is not None:
             self.model._initial_epoch = self._resume["epoch"]
+        self._trained = 0  # batches trained by this fit (not read and dropped)
+        self._sigterm = None
+        if self.handle_sigterm:
+            strategy = self._strategy()
+            self._sigterm = SigtermWatch(cluster_of(strategy) if _is_multi_worker(strategy)
+                                         else None)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_done = epoch, 0
@@ -347,8 +378,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         self._since_backup += done - self._batches_done
         self._batches_done = done
+        self._trained += 1
         if self.save_freq != "epoch" and self._since_backup >= self.save_freq:
             self._backup(epoch=self._epoch, batch=done)
+        if self._sigterm is not None and self._sigterm.due(self._trained):
+            if self._since_backup:
+                self._backup(epoch=self._epoch, batch=done)
+            self._sigterm.exit(f"backed up after batch {done} of epoch {self._epoch}")
 
     def on_epoch_end(self, epoch, logs=None):
         self._end_resume()  # a backup after the epoch's last batch resumes into its end
@@ -356,11 +392,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._backup(epoch=epoch + 1, batch=0)
 
     def on_train_end(self, logs=None):
+        if self._sigterm is not None:
+            self._sigterm.close()
         self._end_resume()
         self.model._initial_epoch = None  # a later fit of this model starts where told
-        if (self.delete_checkpoint and self._write_dir() == self.backup_dir
-                and tf.io.gfile.exists(self.backup_dir)):
-            tf.io.gfile.rmtree(self.backup_dir)
+        if self.delete_checkpoint and self._writes():
+            self._store.delete()
 
     # -- data -------------------------------------------------------------------------------
 
@@ -411,57 +448,21 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _backup(self, epoch: int, batch: int) -> None:
         self._since_backup = 0
-        directory = self._write_dir()
-        chief = directory == self.backup_dir
-        tf.io.gfile.makedirs(directory)
-        if chief:
-            self._finish_interrupted_commit()
         metadata = {
             "epoch": epoch,
             "batch": max(batch - 1, 0),  # keras.callbacks.BackupAndRestore's meaning
-            "format": FORMAT,
             "batches_done": batch,  # of `epoch`, in the backup's weights
             "batches_from_iterator": self._batches_from_iterator(batch),
             "batches_per_epoch": self._batches_per_epoch(),
             "metrics": self._metric_totals() if batch else None,
         }
-        self.model.save_weights(self._path(PENDING_WEIGHTS_FILE, directory), overwrite=True)
-        with tf.io.gfile.GFile(self._path(PENDING_METADATA_FILE, directory), "w") as file:
-            file.write(json.dumps(metadata))
-        if not chief:  # another worker: it wrote only to join the collectives of the reads
-            tf.io.gfile.rmtree(directory)
-            return
-        if self.double_checkpoint:
-            for name in (WEIGHTS_FILE, METADATA_FILE):
-                if tf.io.gfile.exists(self._path(name)):
-                    tf.io.gfile.copy(self._path(name), self._path(name) + ".bkp", overwrite=True)
-        tf.io.gfile.rename(self._path(PENDING_WEIGHTS_FILE), self._path(WEIGHTS_FILE),
-                           overwrite=True)
-        tf.io.gfile.rename(self._path(PENDING_METADATA_FILE), self._path(METADATA_FILE),
-                           overwrite=True)
+        self._store.save(self.model, metadata, write=self._writes())
 
     def _batches_per_epoch(self):
         iterator = self._epoch_iterator
         return None if iterator is None else iterator.num_batches
 
     # -- reading ----------------------------------------------------------------------------
-
-    def _interrupted_commit(self) -> bool:
-        """True if a backup was killed between its two renames: its weights are in
-        place, its metadata still pending. (Pending weights: killed before that.)"""
-        return (tf.io.gfile.exists(self._path(PENDING_METADATA_FILE))
-                and not tf.io.gfile.exists(self._path(PENDING_WEIGHTS_FILE)))
-
-    def _finish_interrupted_commit(self) -> None:
-        """The chief, before its next backup (every worker has read the backup by then):
-        complete a commit that was cut short, or drop the pending files of one that was
-        killed before its first rename."""
-        if self._interrupted_commit():
-            tf.io.gfile.rename(self._path(PENDING_METADATA_FILE), self._path(METADATA_FILE),
-                               overwrite=True)
-        for name in (PENDING_WEIGHTS_FILE, PENDING_METADATA_FILE):
-            if tf.io.gfile.exists(self._path(name)):
-                tf.io.gfile.remove(self._path(name))
 
     def _restore(self):
         """Load the backup, if any, into the model; return where fit resumes, or None.
@@ -471,27 +472,15 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "To use the BackupAndRestore callback, the model must be built before you "
                 f"call fit(). Model {self.model.name} is unbuilt: build it with keras.Input "
                 "or by calling it on a batch of data.")
-        weights, metadata = self._path(WEIGHTS_FILE), self._path(METADATA_FILE)
-        if not tf.io.gfile.exists(weights):
-            return None
-        if self._interrupted_commit():
-            metadata = self._path(PENDING_METADATA_FILE)
         optimizer = self.model.optimizer
         with self._strategy().scope():
             if optimizer is not None and not optimizer.built:
                 optimizer.build(self.model.trainable_variables)  # its variables, to load into
-            try:
-                self.model.load_weights(weights)
-            except OSError:
-                if not (self.double_checkpoint and tf.io.gfile.exists(weights + ".bkp")):
-                    raise
-                self.model.load_weights(weights + ".bkp")
-                metadata = self._path(METADATA_FILE) + ".bkp"
-        with tf.io.gfile.GFile(metadata) as file:
-            return self._resume_point(json.loads(file.read()))
+            metadata = self._store.load(self.model)
+        return None if metadata is None else self._resume_point(metadata)
 
     def _resume_point(self, metadata: dict) -> dict:
-        if metadata.get("format") != FORMAT:  # written by keras.callbacks.BackupAndRestore
+        if metadata.get("format") not in (FORMAT, LEGACY_FORMAT):  # keras.callbacks' backup
             if metadata.get("batch"):
                 warnings.warn(
                     f"BackupAndRestore: {self.backup_dir} was written by "

@@ -9,7 +9,8 @@ backup callback (`keras.callbacks.BackupAndRestore` or distgrad's) in `backup_di
   the same `fit` again, as a restarted job would, and the result is that second `fit`.
 * `fit_in_child(...)` / `fit_on_worker(...)`: the same in a fresh process, or on every
   worker of a local `MultiWorkerMirroredStrategy` cluster, where the cut is a real fault:
-  the process sends itself `SIGKILL` after `cut` batches (nothing runs after it).
+  the process sends itself `SIGKILL` after `cut` batches (nothing runs after it), or
+  `SIGTERM` (`TermSelf`; `fit_on_worker(sigterm_after=...)`): a preemption notice.
 
 The model kinds (`KINDS`): "adam" (plain Adam), "accumulating"
 (`AccumulatingOptimizer(Adam, ACCUMULATION_STEPS)`), "micro_batching"
@@ -60,6 +61,16 @@ class KillSelf(Interrupt):
         self.seen += 1
         if self.seen == self.after:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TermSelf(Interrupt):
+    """Send this process a real `SIGTERM` at the end of the `after`-th batch, as a
+    scheduler or a spot VM's shutdown would: what runs next is the process' handler."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.after:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def examples(batches: int = BATCHES, global_batch: int = GLOBAL_BATCH):
@@ -126,6 +137,17 @@ class FitResult:
     history: dict
 
 
+def assert_same_run(got: FitResult, expected: FitResult) -> None:
+    """Equal updates and micro-batches, weights to float32 rounding, equal epoch logs."""
+    assert (got.updates, got.micro_steps, got.loss_scale) == (
+        expected.updates, expected.micro_steps, expected.loss_scale)
+    for a, b in zip(got.weights, expected.weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    epochs = len(got.history["loss"])  # a resumed fit logs the epochs it ran
+    for name, values in got.history.items():
+        np.testing.assert_allclose(values, expected.history[name][-epochs:], rtol=1e-6)
+
+
 def result_of(model: keras.Model, history) -> FitResult:
     from distgrad.callbacks import accumulating_optimizer_of
 
@@ -142,21 +164,30 @@ def result_of(model: keras.Model, history) -> FitResult:
                  for name, values in history.history.items()})
 
 
-def _callback(callback: str, backup_dir: str, save_freq):
+def _callback(callback: str, backup_dir: str, save_freq, double_checkpoint=False,
+              handle_sigterm=True):
     from distgrad.callbacks import BackupAndRestore
 
-    classes = {"keras": keras.callbacks.BackupAndRestore, "distgrad": BackupAndRestore}
-    return classes[callback](backup_dir, save_freq=save_freq)
+    if callback == "keras":
+        return keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
+                                                double_checkpoint=double_checkpoint)
+    return BackupAndRestore(backup_dir, save_freq=save_freq,
+                            double_checkpoint=double_checkpoint, handle_sigterm=handle_sigterm)
 
 
 def one_fit(strategy, backup_dir: str, kind: str = "accumulating", callback: str = "distgrad",
             save_freq=3, stop=None, steps_per_epoch=None, multi_worker=False,
-            data=None, extra=()) -> FitResult:
+            data=None, extra=(), batches: int = BATCHES,
+            double_checkpoint: bool = False, handle_sigterm: bool = True) -> FitResult:
     """One `fit` of a fresh model with the backup callback, then the callbacks `extra`,
-    then `stop` (a callback that ends it early), if given."""
+    then `stop` (a callback that ends it early), if given. Without `data`: `dataset` of
+    `batches` batches per epoch."""
     model = build(strategy, kind, multi_worker=multi_worker)
-    data = dataset(repeat=steps_per_epoch is not None) if data is None else data
-    callbacks = [_callback(callback, backup_dir, save_freq), *extra] + ([stop] if stop else [])
+    if data is None:
+        data = dataset(batches, repeat=steps_per_epoch is not None)
+    callbacks = [_callback(callback, backup_dir, save_freq, double_checkpoint,
+                           handle_sigterm), *extra]
+    callbacks += [stop] if stop else []
     history = model.fit(data, epochs=EPOCHS, steps_per_epoch=steps_per_epoch, verbose=0,
                         callbacks=callbacks, shuffle=False)  # (a tf.data pipeline's own order)
     return result_of(model, history)
@@ -188,15 +219,20 @@ def fit_in_child(backup_dir: str, replicas: int = 2, kill_after: int | None = No
 
 def fit_on_worker(task_index: int, num_workers: int, backup_dir: str,
                   kill_after: int | None = None, collective_timeout: float = 20.0,
-                  **options) -> dict:
+                  sigterm_after: int | None = None, **options) -> dict:
     """On every worker of a `run_workers` cluster: `one_fit` with `MultiWorkerFitModel` on
     `MultiWorkerMirroredStrategy`, the global batches sharded across the workers; worker 1
-    sends itself SIGKILL after `kill_after` batches, if given. A worker whose peer died
-    fails within `collective_timeout` seconds (its all-reduce times out)."""
+    sends itself SIGKILL after `kill_after` batches, or SIGTERM after `sigterm_after`, if
+    given. A worker whose peer died fails within `collective_timeout` seconds (its
+    all-reduce times out)."""
     from distgrad.lab.multiworker import make_worker_strategy
 
     strategy = make_worker_strategy(collective_timeout)
-    stop = KillSelf(kill_after) if kill_after is not None and task_index == 1 else None
+    stop = None
+    if task_index == 1 and kill_after is not None:
+        stop = KillSelf(kill_after)
+    elif task_index == 1 and sigterm_after is not None:
+        stop = TermSelf(sigterm_after)
     return dataclasses.asdict(one_fit(strategy, backup_dir, stop=stop, multi_worker=True,
                                       **options))
 
