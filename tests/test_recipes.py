@@ -136,7 +136,9 @@ def test_every_recipe_on_the_page_is_run_and_fits_the_page():
     assert set(RECIPES) == {match["recipe"] for match in RUNS.values() if match}
     for name, source in RECIPES.items():
         lines = source.splitlines()
-        assert sum(1 for line in lines if line.strip()) <= 60, name  # blank lines aside
+        # One screen and a little: blank lines aside, 64 (the float16 bound of the check and
+        # the collective timeout take 4 lines of them).
+        assert sum(1 for line in lines if line.strip()) <= 64, name
         assert max(map(len, lines)) <= 100, name  # the content column shows 100 characters
         assert source.count(PASSED) == 1 and "--mixed" in source and "TF_CONFIG" in source
         # Several workers: a collective timeout (the several-workers section says why).

@@ -7,8 +7,9 @@
 Which cluster: a `TF_CONFIG` in the environment (its `cluster` and `task`); else a SLURM
 job step of two or more tasks (`srun`: SLURM's `SLURM_*` variables); else this machine
 alone (its GPUs, or two logical CPUs). `--backup-dir` (on a file system every worker
-sees) backs up after every batch and resumes there when the job runs again; SIGTERM ends
-the process at once with status 75, which slurm.sbatch answers by requeueing the job.
+sees) backs up after every batch and resumes there when the job runs again. On SIGTERM
+it finishes the batch, every worker backs up after the same batch, and the process exits
+with status 42, which slurm.sbatch answers by requeueing the job.
 The chief (worker 0) prints the progress and writes the TensorBoard logs (`--logdir`):
 loss, learning rate, loss scale, skipped micro-batches and updates. `--check` trains a
 small synthetic problem and ends by comparing the weights with the same training on one
@@ -19,7 +20,6 @@ It imports only TensorFlow, Keras, NumPy, the standard library and distgrad. Rep
 """
 import argparse
 import os
-import signal
 import sys
 import time
 
@@ -28,8 +28,9 @@ import numpy as np
 import tensorflow as tf
 
 import distgrad
+from distgrad.callbacks import PREEMPTED_EXIT_CODE
 
-PREEMPTED = 75  # exit status after SIGTERM (EX_TEMPFAIL): run me again, I resume
+PREEMPTED = 42  # BackupAndRestore's exit status after SIGTERM: run me again, I resume
 
 
 def parse_args():
@@ -179,8 +180,9 @@ class Throttle(keras.callbacks.Callback):  # the other workers: wait as long as 
 def main():
     args = parse_args()
     strategy = make_strategy(args)  # before any other TensorFlow work
-    # After the strategy: starting a multi-worker one, TensorFlow replaces the SIGTERM handler.
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(PREEMPTED))  # resume from the backup
+    # SIGTERM: BackupAndRestore's handler, installed when fit starts (after the strategy,
+    # which replaces the process' handler), backs up at the same batch on every worker.
+    assert PREEMPTED == PREEMPTED_EXIT_CODE
     tf.config.experimental.enable_tensor_float_32_execution(False)  # float32 for the check
     if args.mixed:
         keras.mixed_precision.set_global_policy("mixed_float16")
