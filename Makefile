@@ -136,6 +136,7 @@ LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_slurm.py \
   tests/test_cluster.py tests/test_train_step.py \
   tests/test_user_paths.py tests/test_fix_cells.py tests/test_backup_and_restore.py \
+  tests/test_backup_commit.py tests/test_backup_sigterm.py \
   $(EXECUTED)/08_preemption_and_resume.ipynb tests/test_optimizer.py \
   $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py tests/test_preemption.py \
   tests/test_multi_worker_bench.py \
@@ -144,7 +145,8 @@ LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   tests/test_tf_keras_optimizer.py tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py \
   tests/test_tf_keras_mixed_precision.py $(EXECUTED)/07_beyond_the_basics.ipynb \
   tests/test_copy_alone.py tests/test_upstream_reports.py tests/test_multiworker.py \
-  tests/test_beyond_the_basics.py tests/test_tf_keras_custom_loop.py tests/test_sync.py
+  tests/test_beyond_the_basics.py tests/test_tf_keras_custom_loop.py tests/test_kubernetes.py \
+  tests/test_sync.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort \
   $(patsubst notebooks/%,$(EXECUTED)/%,$(wildcard notebooks/*.ipynb)) $(wildcard tests/test_*.py)))
 unit-and-lessons: install copy-lessons
