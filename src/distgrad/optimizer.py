@@ -241,7 +241,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self.micro_steps = self.skipped_updates = None  # variables, created by `build`
         # Inside Keras' own wrapper on one replica (see `_check_loss_scale_wrapper`).
         self._stock_wrapper = self.skipped_micro_batches = self._next_loss_scale = None
-        self._micro_skips_reported = 0
+        self._micro_skips_reported = None  # `skipped_micro_batches` at the first trace / fit
         for option in CLIP_OPTIONS:
             setattr(self, option, getattr(inner_optimizer, option))
             setattr(inner_optimizer, option, None)
@@ -348,7 +348,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.build(var_list)
         self._built_under = strategy
         if not tf.executing_eagerly():  # created in a trace (no strategy): 0, not readable yet
-            self._skips_reported = 0
+            self._skips_reported = self._micro_skips_reported = 0
 
     def apply(self, grads, trainable_variables=None):
         """Accumulate this replica's `grads` (`None` skipped, `IndexedSlices` densified);
@@ -369,6 +369,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._check_loss_scale_wrapper()
         self._check_variables_are_known(trainable_variables)
         if self._stock_wrapper is not None:
+            if self._micro_skips_reported is None:  # the first trace: a restored count is old
+                with tf.init_scope():
+                    self._micro_skips_reported = int(
+                        keras.ops.convert_to_numpy(self.skipped_micro_batches))
             self._count_stock_wrapper_skips()
         if self._skips_reported is None:  # the first trace: a restored count is not news
             self._skips_reported = self._skipped_now()
@@ -602,7 +606,8 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     def _warn_of_stock_wrapper_skips(self):
         self._count_stock_wrapper_skips(end_of_fit=True)  # the skips after the last call
-        skipped, before = int(self.skipped_micro_batches.numpy()), self._micro_skips_reported
+        skipped = int(keras.ops.convert_to_numpy(self.skipped_micro_batches))
+        before = self._micro_skips_reported or 0
         if skipped > before:
             scale = float(self._stock_wrapper().dynamic_scale.numpy())
             warnings.warn(
