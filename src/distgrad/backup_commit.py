@@ -36,6 +36,11 @@ Older layouts restore as before and are replaced by the next commit: distgrad 0.
 `pending.*` files of an interrupted commit) and `keras.callbacks.BackupAndRestore`'s (the
 same two files, `{"epoch", "batch"}` only). Their commit does not hold on object storage.
 
+The manifest also records what identifies the run (`run_identity`): its run id,
+`accumulation_steps`, replicas, workers, the optimizer's class chain and variable layout.
+`load(model, identity)` refuses (before loading any weights) a backup that recorded other
+values; one written before these fields existed restores as before.
+
 This file imports only TensorFlow and the standard library: copy it with `callbacks.py`.
 """
 
@@ -46,6 +51,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 import warnings
 
 import tensorflow as tf
@@ -62,8 +68,89 @@ LEGACY_FILES = (LEGACY_WEIGHTS, LEGACY_PENDING_WEIGHTS, LEGACY_PENDING_METADATA,
                 LEGACY_WEIGHTS + ".bkp", MANIFEST + ".bkp")
 
 
+# What identifies a run, recorded in every manifest and compared at restore.
+IDENTITY_FIELDS = ("run_id", "accumulation_steps", "replicas", "workers", "optimizer",
+                   "optimizer_variables")
+
+
 def weights_name(generation: int) -> str:
     return f"ckpt-{generation}.weights.h5"
+
+
+def _optimizer_chain(optimizer) -> list:
+    """`optimizer` and those it wraps (`inner_optimizer`, recursively), outermost first."""
+    chain = []
+    while optimizer is not None:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
+
+
+def _variable_layout(model, optimizer) -> list:
+    """[name, shape] of each of the optimizer's (built) variables. A slot's name begins with
+    its model variable's path, which holds per-process layer counters (`dense_4`): that
+    prefix becomes the variable's index, `<weight 2>`, the same in every process."""
+    prefixes = sorted(((v.path.replace("/", "_") + "_", f"<weight {i}>_")
+                       for i, v in enumerate(model.trainable_variables)),
+                      key=lambda pair: -len(pair[0]))
+    layout = []
+    for variable in optimizer.variables:
+        name = variable.name
+        for prefix, short in prefixes:
+            if name.startswith(prefix):
+                name = short + name[len(prefix):]
+                break
+        layout.append([name, [int(d) for d in variable.shape]])
+    return layout
+
+
+def run_identity(model, replicas: int, workers: int, run_id=None) -> dict:
+    """What identifies the run of `model` (compiled, its optimizer built). `run_id`: the
+    user's, else `SLURM_JOB_ID` from the environment, else None (`check_identity` then
+    adopts the backup's, or a new uuid)."""
+    if run_id is None:
+        run_id = os.environ.get("SLURM_JOB_ID") or None
+    chain = _optimizer_chain(model.optimizer)
+    steps = next((o.accumulation_steps for o in chain if hasattr(o, "accumulation_steps")),
+                 getattr(model, "accumulation_steps", None))
+    return {"run_id": None if run_id is None else str(run_id),
+            "accumulation_steps": None if steps is None else int(steps),
+            "replicas": int(replicas), "workers": int(workers),
+            "optimizer": " > ".join(type(o).__name__ for o in chain),
+            "optimizer_variables": (_variable_layout(model, model.optimizer)
+                                    if model.optimizer is not None else [])}
+
+
+def _layout_difference(recorded: list, now: list) -> str:
+    if len(recorded) != len(now):
+        return f"{len(recorded)} variables (recorded) vs {len(now)} now"
+    first = next(i for i, (a, b) in enumerate(zip(recorded, now)) if a != b)
+    return f"variable {first} is {recorded[first]} (recorded) vs {now[first]} now"
+
+
+def check_identity(recorded: dict, identity: dict, directory: str) -> dict:
+    """`identity` with its run id filled in (the recorded one, or a new uuid when there is
+    no backup or it recorded none); raises `ValueError` naming every field of `recorded`
+    that differs. Fields `recorded` lacks (an older backup) are not compared."""
+    identity = dict(identity)
+    if identity["run_id"] is None:
+        identity["run_id"] = (recorded or {}).get("run_id") or uuid.uuid4().hex
+    differences = []
+    for field in IDENTITY_FIELDS:
+        if recorded is None or field not in recorded or recorded[field] == identity[field]:
+            continue
+        if field == "optimizer_variables":
+            what = _layout_difference(recorded[field], identity[field])
+        else:
+            what = f"{recorded[field]!r} (recorded) vs {identity[field]!r} now"
+        differences.append(f"{field}: {what}")
+    if differences:
+        raise ValueError(
+            f"BackupAndRestore: the backup in {directory} belongs to another run or setup: "
+            + "; ".join(differences) + ". To resume it, run with the recorded setup (and "
+            "run id: BackupAndRestore(run_id=...) or SLURM_JOB_ID). To start over, pass a "
+            f"new backup_dir, or delete {directory}.")
+    return identity
 
 
 @contextlib.contextmanager
@@ -92,6 +179,7 @@ class BackupStore:
         self._next_generation = 1
         self._legacy = False  # an older layout was restored: its files go at the next commit
         self._made = False
+        self.identity = {}  # recorded in every manifest: `load(model, identity)` sets it
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -110,10 +198,16 @@ class BackupStore:
 
     # -- reading ------------------------------------------------------------------------
 
-    def load(self, model) -> dict | None:
+    def load(self, model, identity: dict | None = None) -> dict | None:
         """Load the newest whole backup into `model` (built, its optimizer built); return
-        its metadata, or None if there is no backup. Call it in the strategy's scope."""
+        its metadata, or None if there is no backup. Call it in the strategy's scope.
+        `identity` (`run_identity`): checked against the backup's before any weights are
+        loaded (`check_identity`); `self.identity` is then what the next backups record."""
         manifest = self._read_json(MANIFEST)
+        if identity is not None:
+            current = manifest is not None and manifest.get("format") == FORMAT
+            self.identity = check_identity(manifest if current else None,  # older layouts
+                                           identity, self.directory)  # record none
         if manifest is None or manifest.get("format") != FORMAT:
             return self._load_legacy(model, manifest)
         records = [{k: v for k, v in manifest.items() if k != "previous"}]
@@ -180,7 +274,7 @@ class BackupStore:
                 tf.io.gfile.makedirs(self.directory)
                 self._made = True
             generation = self._next_generation
-            record = {**metadata, "format": FORMAT, "generation": generation,
+            record = {**metadata, **self.identity, "format": FORMAT, "generation": generation,
                       "weights": weights_name(generation),
                       "weights_bytes": os.path.getsize(local)}
             tf.io.gfile.copy(local, self._path(record["weights"]), overwrite=True)  # 1.

@@ -33,10 +33,10 @@ import keras
 import tensorflow as tf
 
 try:
-    from distgrad.backup_commit import FORMAT, LEGACY_FORMAT, BackupStore
+    from distgrad.backup_commit import FORMAT, LEGACY_FORMAT, BackupStore, run_identity
     from distgrad.preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
 except ImportError:  # copied into a project: backup_commit.py, preemption.py beside it
-    from backup_commit import FORMAT, LEGACY_FORMAT, BackupStore
+    from backup_commit import FORMAT, LEGACY_FORMAT, BackupStore, run_identity
     from preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
 
 __all__ = ["AccumulationCallback", "BackupAndRestore", "PREEMPTED_EXIT_CODE",
@@ -236,6 +236,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_checkpoint: delete the backup when `fit` ends normally.
         handle_sigterm: back up and exit on `SIGTERM` (below); False leaves `SIGTERM`
             alone (its default action ends the process, with no backup).
+        run_id: what names this run (a restart of the same job passes the same); default:
+            the environment's `SLURM_JOB_ID`, else the first backup's own (a uuid).
+
+    The run's identity: every backup records the run id, `accumulation_steps` (of an
+    `AccumulatingOptimizer` or a `MicroBatchingModel`), replicas, workers, the
+    optimizer's class chain and its variables' names and shapes. A restart whose values
+    differ is refused before anything trains (backups older than these fields are not
+    checked).
 
     `SIGTERM` (a spot VM's or a scheduler's preemption notice), with `handle_sigterm`:
     the batch running when it arrives is finished, backed up (whatever `save_freq`
@@ -277,12 +285,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         ValueError: an empty `backup_dir`, a bad `save_freq`; (at `fit` start) data
             whose order cannot repeat with `save_freq=n`; an unbuilt model; a backup
             whose epochs had another number of batches than this `fit` (other data or
-            batch size); a backup of another model (Keras' own message); a newest backup
-            missing or torn with no previous one kept (`double_checkpoint`).
+            batch size), or of another run id or setup (the run's identity); a backup
+            of another model (Keras' own message); a newest backup missing or torn with
+            no previous one kept (`double_checkpoint`).
     """
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
-                 delete_checkpoint=True, handle_sigterm=True):
+                 delete_checkpoint=True, handle_sigterm=True, run_id=None):
         super().__init__()
         if not backup_dir:
             raise ValueError("Empty `backup_dir` argument passed")
@@ -299,6 +308,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not isinstance(handle_sigterm, bool):
             raise ValueError(f"handle_sigterm must be True or False, got {handle_sigterm!r}.")
         self.handle_sigterm = handle_sigterm
+        self.run_id = run_id
 
     # -- paths and roles ------------------------------------------------------------------
 
@@ -476,7 +486,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         with self._strategy().scope():
             if optimizer is not None and not optimizer.built:
                 optimizer.build(self.model.trainable_variables)  # its variables, to load into
-            metadata = self._store.load(self.model)
+            strategy = self._strategy()
+            workers = len(cluster_of(strategy)[1]) if _is_multi_worker(strategy) else 1
+            identity = run_identity(self.model, strategy.num_replicas_in_sync, workers,
+                                    self.run_id)
+            metadata = self._store.load(self.model, identity)  # refuses another identity
         return None if metadata is None else self._resume_point(metadata)
 
     def _resume_point(self, metadata: dict) -> dict:

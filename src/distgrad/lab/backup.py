@@ -165,20 +165,22 @@ def result_of(model: keras.Model, history) -> FitResult:
 
 
 def _callback(callback: str, backup_dir: str, save_freq, double_checkpoint=False,
-              handle_sigterm=True):
+              handle_sigterm=True, run_id=None):
     from distgrad.callbacks import BackupAndRestore
 
     if callback == "keras":
         return keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
                                                 double_checkpoint=double_checkpoint)
     return BackupAndRestore(backup_dir, save_freq=save_freq,
-                            double_checkpoint=double_checkpoint, handle_sigterm=handle_sigterm)
+                            double_checkpoint=double_checkpoint, handle_sigterm=handle_sigterm,
+                            run_id=run_id)
 
 
 def one_fit(strategy, backup_dir: str, kind: str = "accumulating", callback: str = "distgrad",
             save_freq=3, stop=None, steps_per_epoch=None, multi_worker=False,
             data=None, extra=(), batches: int = BATCHES,
-            double_checkpoint: bool = False, handle_sigterm: bool = True) -> FitResult:
+            double_checkpoint: bool = False, handle_sigterm: bool = True,
+            run_id=None) -> FitResult:
     """One `fit` of a fresh model with the backup callback, then the callbacks `extra`,
     then `stop` (a callback that ends it early), if given. Without `data`: `dataset` of
     `batches` batches per epoch."""
@@ -186,7 +188,7 @@ def one_fit(strategy, backup_dir: str, kind: str = "accumulating", callback: str
     if data is None:
         data = dataset(batches, repeat=steps_per_epoch is not None)
     callbacks = [_callback(callback, backup_dir, save_freq, double_checkpoint,
-                           handle_sigterm), *extra]
+                           handle_sigterm, run_id), *extra]
     callbacks += [stop] if stop else []
     history = model.fit(data, epochs=EPOCHS, steps_per_epoch=steps_per_epoch, verbose=0,
                         callbacks=callbacks, shuffle=False)  # (a tf.data pipeline's own order)
