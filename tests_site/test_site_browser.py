@@ -97,10 +97,14 @@ def test_search_finds_a_lesson_by_a_word_in_its_code(page):
     page.locator("input.md-search__input").click()
     page.locator("input.md-search__input").press_sequentially("compute_average_loss")
     page.wait_for_selector(".md-search-result__item", timeout=15000)
-    hrefs = [
-        page.locator(".md-search-result__item a").nth(i).get_attribute("href")
-        for i in range(page.locator(".md-search-result__item a").count())
-    ]
+    # Read every link in one call: the list re-renders while typing results arrive, so a
+    # count followed by the n-th item can ask for one that is gone.
+    page.wait_for_function(  # the lesson among the results, whenever they settle
+        "() => [...document.querySelectorAll('.md-search-result__item a')].some("
+        "a => (a.getAttribute('href') || '').includes('lessons/01_where_gradients_sync'))",
+        timeout=15000)
+    hrefs = page.eval_on_selector_all(".md-search-result__item a",
+                                      "links => links.map(a => a.getAttribute('href'))")
     assert any("lessons/01_where_gradients_sync" in h for h in hrefs), hrefs
 
 
