@@ -32,7 +32,7 @@ def worker(task_index: int, num_workers: int, batches: int, rounds: int) -> dict
     """On every worker: the paired rounds; the chief's numbers are returned."""
     import keras
 
-    from distgrad.callbacks import BackupAndRestore
+    from distgrad.backup_and_restore import BackupAndRestore
     from distgrad.lab import backup
     from distgrad.lab.multiworker import make_worker_strategy
     from distgrad.preemption import SigtermWatch, cluster_of

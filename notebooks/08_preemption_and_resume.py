@@ -24,10 +24,11 @@
 # **The short answer.** Not with Keras 3's callback: it writes the epoch *and* the batch of
 # its backup but restores only the epoch, so the interrupted epoch starts again from its
 # first batch with the weights of the backup, and the batches already in those weights are
-# trained twice (22 updates where the uninterrupted run makes 16). `distgrad.callbacks.
-# BackupAndRestore` is a drop-in replacement that restores the model, the optimizer (slots,
-# `iterations`, the accumulators and `micro_steps` of an `AccumulatingOptimizer`, a loss
-# scale), the epoch, its metrics and the position in the data: the resumed `fit` reads the
+# trained twice (22 updates where the uninterrupted run makes 16). `distgrad.BackupAndRestore`
+# takes Keras' arguments, and, with a model whose `fit` hands it the data
+# (`distgrad.ResumableFitModel`), restores the model, the optimizer (slots, `iterations`,
+# the accumulators and `micro_steps` of an `AccumulatingOptimizer`, a loss scale), the
+# epoch, its metrics and the position in the data: the resumed `fit` reads the
 # batches the backup already holds and drops them. It needs the data in the same order
 # when the job starts again, and refuses, at `fit` start, data whose order cannot repeat.
 # A custom loop checkpoints the same state itself: model, optimizer, `GradientAccumulator`
@@ -61,7 +62,9 @@ tf.get_logger().setLevel("ERROR")  # fresh models and tf.functions per experimen
 # compile, `fit` with `BackupAndRestore`. The first start is preempted after micro-batch
 # 11, in epoch 1 and inside an accumulation cycle of `K = 3`; its last backup, after
 # micro-batch 10, holds one micro-batch of that cycle. The second start is the restarted
-# job. Only `BackupAndRestore`'s import differs from Keras' callback.
+# job. Two things differ from Keras' callback: `BackupAndRestore`'s import, and the model's
+# class, `ResumableFitModel`, whose `fit` hands the callback `fit`'s data and arguments
+# (Keras hands callbacks neither: section 3).
 
 # %% tags=["fix"]
 # A fit that resumes where its last backup was taken: mid-epoch, mid-accumulation-cycle.
@@ -72,8 +75,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distgrad import AccumulatingOptimizer
-from distgrad.callbacks import BackupAndRestore
+from distgrad import AccumulatingOptimizer, BackupAndRestore, ResumableFitModel
 
 # Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -93,10 +95,11 @@ dataset = (tf.data.Dataset.from_tensor_slices((x, y))
            .shuffle(64, seed=1, reshuffle_each_iteration=False).batch(BATCH))
 backup_dir = tempfile.mkdtemp()  # in a real job: storage that outlives the machine
 
-def make_model():
+def make_model():  # ResumableFitModel: its fit hands BackupAndRestore fit's arguments
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
-                             keras.layers.Dense(1)])
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    return ResumableFitModel(inputs, keras.layers.Dense(1)(hidden))
 
 class Preemption(keras.callbacks.Callback):  # stands in for losing the machine
     def on_train_batch_end(self, batch, logs=None):
@@ -165,8 +168,110 @@ backup.plot_timelines(list(runs.values()))
 plt.show()
 
 # %% [markdown]
+# Keras 3's callback writes the batch of its backup but restores only the epoch (deep dive
+# below). distgrad's callback keeps the count of batches the backup holds (6 here). Keras'
+# TensorFlow trainer calls `model.train_function(iterator)` once per step
+# (`keras/src/backend/tensorflow/trainer.py`); the callback wraps it at `fit` start. In the
+# interrupted epoch, on each batch the backup holds, the wrapper reads the batch from the
+# iterator and drops it, so the data position, the step count of the epoch and every
+# callback's batch numbers are those of the uninterrupted run. After the last of them,
+# Keras' own train function runs:
+
+# %%
+show_code(BackupAndRestore._train)
+
+# %% [markdown]
+# ## 3 · The packaged form
+#
+# `distgrad.BackupAndRestore(backup_dir, save_freq="epoch" | n, double_checkpoint=False,
+# delete_checkpoint=True, handle_sigterm=True, run_id=None)` takes Keras' arguments, and on
+# `SIGTERM` backs up and exits with status 42 (deep dive). Each backup writes
+# `ckpt-<n>.weights.h5` (`model.save_weights`: model and optimizer variables), then commits
+# it with Keras' `training_metadata.json`, which names it and adds the position in the data
+# and the run's identity (deep dives below). It copies into a project as four files
+# (`src/distgrad/backup_and_restore.py`, `backup_commit.py`, `fit_data.py`, `preemption.py`:
+# TensorFlow and Keras only).
+#
+# Keras hands a callback the model and `params` (epochs, steps, verbosity), not `fit`'s
+# data. `ResumableFitModel`'s `fit` hands the callback its arguments (for a subclassed
+# model: `class M(distgrad.ResumableFit, keras.Model)`, first in the bases; or call
+# `callback.set_fit_arguments(x, y, batch_size=..., shuffle=..., steps_per_epoch=...)`
+# before `fit`). With them it checks at `fit` start, the first time too, that the data can
+# come in the same order at every start: with a backup every n batches, data that cannot is
+# refused before the first step. Keras' default `fit(x, y)` shuffles arrays anew every epoch:
+
+# %%
+model = backup.build(strategy, "adam")  # a ResumableFit model
+x, y = backup.examples()
+try:
+    model.fit(x, y, batch_size=8, verbose=0,
+              callbacks=[BackupAndRestore(os.path.join(work, "refused"), save_freq=3)])
+    raise AssertionError("fit(shuffle=True) was not refused")
+except ValueError as error:
+    refused = str(error)
+print(textwrap.fill(refused[:300] + " ...", 96))
+assert refused.startswith("BackupAndRestore(save_freq=3) resumes mid-epoch by skipping")
+assert "fit(shuffle=True) shuffles the arrays anew in every epoch" in refused
+assert "reshuffle_each_iteration=False" in refused
+assert model.optimizer.iterations.numpy() == 0  # refused before the first step
+
+# %% [markdown]
+# The same `fit` of a plain `keras.Model` is not refused: the callback cannot see the data.
+# It warns once per `fit`, and skips what needs the data:
+
+# %%
+import warnings
+
+plain, callback = backup.build(strategy, "adam", resumable=False), BackupAndRestore(
+    os.path.join(work, "plain"), save_freq=3)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plain.fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
+warned = [str(w.message) for w in caught if "fit's arguments" in str(w.message)]
+print(textwrap.fill(warned[0], 96))
+assert len(warned) == 1 and sorted(callback.params) == ["epochs", "steps", "verbose"]
+assert plain.optimizer.iterations.numpy() == backup.BATCHES  # trained, shuffled
+
+# %% [markdown]
+# <div class="admonition warning">
+# <p class="admonition-title">Limits</p>
+#
+# * **The same data in the same order**, the same batch size and `steps_per_epoch`: a
+#   backup taken with another number of batches per epoch is refused. A shuffle without a
+#   seed, or one that reshuffles each iteration, is refused with `save_freq=n` and warned
+#   about with `save_freq="epoch"`; a Python generator's order cannot be checked: warned
+#   about. Without `fit`'s arguments the order is not checked (above).
+# * **A resume reads the batches its backup holds, and drops them**: up to an epoch's reads
+#   before the first new step (section 2). TensorFlow 2.21 cannot checkpoint the iterator
+#   of a distributed dataset instead (the custom-loop deep dive shows the error).
+# * **Random layers**: a `Dropout` layer's seed generator state is not among the weights
+#   `save_weights` writes, so the restart draws other masks
+#   (`tests/test_backup_and_restore.py::test_a_seeded_dropout_layer_does_not_resume_exactly`).
+#   Other callbacks' state (`ReduceLROnPlateau`, `EarlyStopping`) is not in the backup.
+# * **Several workers** need one directory all of them read (a shared file system or a
+#   bucket, not each host's disk: refused by name,
+#   `tests/test_backup_sigterm.py::test_two_workers_stopped_resume_exactly_on_one_and_refuse_workers_on_their_own_dirs`).
+#   Only the chief writes there.
+# * **Another number of workers or replicas at the restart** resumes exactly with the same
+#   global batch (the same test: 2 workers stopped, resumed on 1 process); with another
+#   global batch, or one unknown without `fit`'s arguments, it is refused, naming both
+#   (deep dive below; `tests/test_backup_identity.py`).
+# * **Object stores** (gs://, s3://), where a rename is a copy then a delete: each backup is
+#   committed by writing one small object last, so a kill at any moment leaves a whole
+#   backup (`tests/test_backup_commit.py` kills at every file operation of a backup, on 1
+#   and 2 workers; deep dive below).
+# * **After a `SIGKILL` or a crash, the batches since the last backup are lost** and
+#   trained again: choose `save_freq` by what a backup costs (deep dive below) against
+#   what a lost batch costs. A `SIGTERM` loses none.
+#
+# </div>
+
+# %% [markdown]
+# ## Deep dive · What Keras' callback writes, and what it reads
+#
 # Keras 3's callback (`keras/src/callbacks/backup_and_restore.py`) saves the batch but its
-# `_load_model` only sets `model._initial_epoch`. Its own metadata, after the first fit:
+# `_load_model` only sets `model._initial_epoch`. Its own metadata, after a first fit like
+# section 2's:
 
 # %%
 import keras
@@ -182,71 +287,6 @@ with open(os.path.join(with_keras, "training_metadata.json")) as file:
 print(written)
 assert written == {"epoch": 0, "batch": 5}  # batch 5: the 6th, the last in the backup
 show_code(keras.callbacks.BackupAndRestore._load_model)
-
-# %% [markdown]
-# distgrad's callback keeps the count of batches the backup holds (6 here), and when the
-# restarted `fit` reaches the interrupted epoch, it stands in for Keras' train function on
-# each of those batches: it reads the batch from the iterator and drops it, so the data
-# position, the step count of the epoch and every callback's batch numbers are those of the
-# uninterrupted run. After the last of them, Keras' own train function is back:
-
-# %%
-show_code(BackupAndRestore.on_train_batch_begin)
-
-# %% [markdown]
-# ## 3 · The packaged form
-#
-# `distgrad.callbacks.BackupAndRestore(backup_dir, save_freq="epoch" | n,
-# double_checkpoint=False, delete_checkpoint=True, handle_sigterm=True)` takes Keras'
-# arguments, and on `SIGTERM` backs up and exits with status 42 (deep dive). Each backup
-# writes `ckpt-<n>.weights.h5` (`model.save_weights`: model and optimizer variables), then
-# commits it with Keras' `training_metadata.json`, which names it and adds the position in
-# the data (deep dive below). It copies into a project with the commit's module
-# (`src/distgrad/callbacks.py`, `backup_commit.py` and `preemption.py`: TensorFlow and
-# Keras only). Exact
-# resume needs the data in the same order at every start, so it checks at `fit` start, the
-# first time too: with a backup every n batches, data that cannot come in the same order
-# again is refused before the first step. Keras' default `fit(x, y)` shuffles arrays anew
-# every epoch:
-
-# %%
-model = backup.build(strategy, "adam")
-x, y = backup.examples()
-try:
-    model.fit(x, y, batch_size=8, verbose=0,
-              callbacks=[BackupAndRestore(os.path.join(work, "refused"), save_freq=3)])
-    raise AssertionError("fit(shuffle=True) was not refused")
-except ValueError as error:
-    refused = str(error)
-print(textwrap.fill(refused[:300] + " ...", 96))
-assert refused.startswith("BackupAndRestore(save_freq=3) resumes mid-epoch by skipping")
-assert "fit(shuffle=True) shuffles the arrays anew in every epoch" in refused
-assert "reshuffle_each_iteration=False" in refused
-assert model.optimizer.iterations.numpy() == 0  # refused before the first step
-
-# %% [markdown]
-# <div class="admonition warning">
-# <p class="admonition-title">Limits</p>
-#
-# * **The same data in the same order**, the same batch size and `steps_per_epoch`: a
-#   backup taken with another number of batches per epoch is refused. A shuffle without a
-#   seed, or one that reshuffles each iteration (Keras makes a new iterator every epoch,
-#   and a new process starts the reshuffling over), is refused with `save_freq=n` and
-#   warned about with `save_freq="epoch"`. A Python generator's order cannot be checked:
-#   it is warned about.
-# * **Random layers**: a `Dropout` layer's seed generator state is a variable of the
-#   layer but not one of the weights `save_weights` writes, so the restart draws other
-#   masks (`tests/test_backup_and_restore.py` measures it). Other callbacks' state
-#   (`ReduceLROnPlateau`, `EarlyStopping`) is not in the backup either.
-# * **Several workers** need one directory every worker can read (a shared file system or
-#   a bucket): the chief writes the backup; the other workers write their copy (a
-#   collective all join) to a local temporary directory and delete it (the deep dive
-#   below checks that only the chief's files are there).
-# * **After a `SIGKILL` or a crash, the batches since the last backup are lost** and
-#   trained again after the restart, as with any backup: choose `save_freq` by what a
-#   backup costs (deep dive below) against what a lost batch costs. A `SIGTERM` loses none.
-#
-# </div>
 
 # %% [markdown]
 # ## Deep dive · A worker killed mid-cycle, the cluster restarted
@@ -581,7 +621,7 @@ print("resumed from the backup of batch 3: equal to the uninterrupted run")
 # %%
 import signal
 
-from distgrad.callbacks import PREEMPTED_EXIT_CODE
+from distgrad import PREEMPTED_EXIT_CODE
 
 handler_before = signal.getsignal(signal.SIGTERM)
 sigterm_dir = os.path.join(work, "sigterm")
@@ -612,12 +652,49 @@ print("resumed after batch 6: equal to the uninterrupted run")
 # batch, both exit with 42, and the restarted cluster equals the uninterrupted run.
 
 # %% [markdown]
+# ## Deep dive · A restart on fewer replicas or workers
+#
+# A spot cluster may come back smaller. Every backup records the global batch, the replicas
+# and the workers. `save_weights` writes a replica-local sum (an accumulator) as its SUM
+# over the replicas, and a restore gives each of the R replicas SUM / R
+# (`on_read_assign_cross_replica` in `tensorflow/python/distribute/values_util.py`), so with
+# the same global batch the next update all-reduces the same totals. Backed up after 7
+# batches on R replicas (mid-cycle: k = 3), the job restarts on one replica: first with
+# half the global batch, then with the same:
+
+# %%
+one_replica = tf.distribute.MirroredStrategy(devices[:1])
+smaller = os.path.join(work, "smaller")
+try:
+    backup.one_fit(strategy, smaller, save_freq=1, stop=backup.Interrupt(7))
+except backup.Preempted:
+    pass
+half = backup.dataset(2 * backup.BATCHES, backup.GLOBAL_BATCH // 2)
+try:
+    backup.one_fit(one_replica, smaller, save_freq=1, data=half)
+    raise AssertionError("another global batch was not refused")
+except ValueError as error:
+    print(textwrap.fill(str(error)[:420] + " ...", 96))
+    assert f"replicas: {R} (recorded) vs 1 now, and the global batch is 8 (recorded) vs 4" \
+        in str(error)
+with open(os.path.join(smaller, "training_metadata.json")) as file:
+    assert json.load(file)["batches_done"] == 7  # the refused restart left it as it was
+backup.assert_same_run(backup.one_fit(one_replica, smaller, save_freq=1), uninterrupted)
+print(f"stopped on {R} replicas, resumed on 1 with the same global batch: equal")
+
+# %% [markdown]
+# The same holds for workers: `tests/test_backup_sigterm.py::
+# test_two_workers_stopped_resume_exactly_on_one_and_refuse_workers_on_their_own_dirs` stops
+# two workers with a `SIGTERM` and resumes them exactly in one process on one replica.
+
+# %% [markdown]
 # ## Takeaways
 #
 # * Keras 3's `BackupAndRestore(save_freq=n)` restarts the interrupted epoch from its first
 #   batch with the backup's weights: batches trained twice, updates made twice.
 # * An exact resume restores the model, the optimizer (accumulators, `micro_steps`, loss
-#   scale), the epoch and the position in the data: `distgrad.callbacks.BackupAndRestore`.
+#   scale), the epoch and the position in the data: `distgrad.BackupAndRestore`, with a
+#   `ResumableFitModel` (or the `ResumableFit` mixin) to hand it `fit`'s data.
 # * The data must come in the same order at every start: no unseeded shuffle, no reshuffle
 #   per iteration; the callback refuses them at `fit` start.
 # * On several workers, the chief's backup is the one every worker restores, and a dead
@@ -688,5 +765,6 @@ except ValueError as error:
 #   `BackupAndRestore`); `tf.distribute.experimental.PreemptionCheckpointHandler`
 #   (`tensorflow/python/distribute/failure_handling/failure_handling.py`);
 #   tensorflow/tensorflow#24408 (no checkpointable state for the multi-device iterator).
-# * The [API reference](../api.md): `distgrad.callbacks.BackupAndRestore`,
-#   `AccumulatingOptimizer`, `GradientAccumulator`, `MultiWorkerFitModel`.
+# * The [API reference](../api.md): `distgrad.BackupAndRestore` (object stores, `SIGTERM`,
+#   another worker count), `ResumableFitModel`, `AccumulatingOptimizer`,
+#   `GradientAccumulator`, `MultiWorkerFitModel`.

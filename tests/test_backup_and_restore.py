@@ -1,4 +1,4 @@
-"""`distgrad.callbacks.BackupAndRestore`: an interrupted `fit`, run again, equals one that was
+"""`distgrad.BackupAndRestore`: an interrupted `fit`, run again, equals one that was
 never interrupted; Keras 3's own callback replays the interrupted epoch.
 
 Lesson 08 runs (and asserts) what is not repeated here: the restart of a 2-worker cluster
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import warnings
 
@@ -25,7 +26,7 @@ import pytest
 import tensorflow as tf
 
 from distgrad.backup_commit import MANIFEST as METADATA_FILE
-from distgrad.callbacks import BackupAndRestore
+from distgrad.backup_and_restore import BackupAndRestore
 from distgrad.lab import backup
 from distgrad.lab.backup import assert_same_run
 from distgrad.lab.child import run_child
@@ -132,12 +133,51 @@ def test_every_kind_resumes_exactly(strategy2, references, tmp_path, kind, cut, 
     assert_same_run(got, expected)
 
 
+@pytest.mark.parametrize("data_batches, repeat", [(12, True), (2 * backup.BATCHES, False)])
+def test_an_epoch_end_backup_resumes_where_one_iterator_reads_on(strategy2, tmp_path,
+                                                                 data_batches, repeat):
+    """fit(steps_per_epoch=8): Keras reads one iterator across epochs, over 12 batches
+    repeated or 16 read over both epochs. Stopped after batch 1 of epoch 1, the backup after
+    epoch 0 resumes at the iterator's batch 8, not a new iterator's batch 0 (which it does
+    without fit's arguments: the test's second half)."""
+    options = {"save_freq": "epoch", "steps_per_epoch": backup.BATCHES,
+               "data": backup.dataset(data_batches, repeat=repeat)}
+    expected = backup.one_fit(strategy2, str(tmp_path / "ref"), **options)
+    cut = backup.BATCHES + 1
+    assert_same_run(backup.interrupted_fit(strategy2, str(tmp_path / "b"), cut, **options),
+                    expected)
+    with pytest.warns(UserWarning, match="was not given fit's arguments"):
+        blind = backup.interrupted_fit(strategy2, str(tmp_path / "c"), cut, resumable=False,
+                                       **options)
+    assert weight_diff(blind.weights, expected.weights).max_abs > 1e-3
+
+
+def test_without_fit_arguments_it_warns_once_per_fit_and_resumes_exactly(
+        strategy2, references, tmp_path):
+    """A plain Keras model: BackupAndRestore cannot see fit's data (Keras hands callbacks
+    none): one warning per fit naming the fix; a mid-epoch resume is still exact."""
+    with pytest.warns(UserWarning) as record:
+        got = backup.interrupted_fit(strategy2, str(tmp_path), 11, resumable=False)
+    warned = [str(w.message) for w in record if "was not given fit's arguments" in str(w.message)]
+    assert len(warned) == 2 and "distgrad.ResumableFitModel(inputs, outputs)" in warned[0]
+    assert_same_run(got, references("accumulating", 3))
+
+
+def test_no_reference_file_reads_stack_frames():
+    """Keras hands callbacks no data: it comes through `ResumableFit`, not `fit`'s frames."""
+    source = pathlib.Path(backup.__file__).parents[1]
+    for path in source.glob("*.py"):
+        text = path.read_text()
+        assert "_getframe" not in text and "f_locals" not in text, path.name
+
+
 def test_a_seeded_dropout_layer_does_not_resume_exactly(strategy2, references, tmp_path):
     """A limit: the Dropout layer's seed generator state is a layer variable but not one of
     the model's weights, so `save_weights` leaves it out; the restart draws other masks."""
     model = backup.build(strategy2, "dropout")
-    assert [v.path for v in model.layers[1].variables] == ["seed_generator/seed_generator_state"]
-    assert not model.layers[1].weights
+    dropout = next(layer for layer in model.layers if isinstance(layer, keras.layers.Dropout))
+    assert [v.path for v in dropout.variables] == ["seed_generator/seed_generator_state"]
+    assert not dropout.weights
     expected = references("dropout", 3)
     got = backup.interrupted_fit(strategy2, str(tmp_path), 10, kind="dropout")
     assert got.updates == expected.updates == 5

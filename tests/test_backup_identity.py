@@ -1,7 +1,8 @@
 """`BackupAndRestore` records the run's identity in every backup's manifest (run id,
-`accumulation_steps`, replicas, workers, the optimizer's class chain and variable layout)
-and refuses, before anything trains, a restart whose identity differs, by name. The same
-setup, and a backup written before these fields, resume exactly as before.
+`accumulation_steps`, the optimizer's class chain and variable layout, the global batch,
+replicas, workers) and refuses, before anything trains, a restart whose identity differs,
+by name. The same setup, another replica count with the same global batch, and a backup
+written before these fields, resume exactly. (2 workers to 1: `test_backup_sigterm.py`.)
 
 Runs: `distgrad.lab.backup`'s one-replica `fit` (2 epochs of 8 batches, `save_freq=1`),
 stopped after 3 batches, then run again.
@@ -73,7 +74,8 @@ def test_the_same_setup_resumes_exactly(strategy1, tmp_path, collect_garbage, ba
     manifest = json.loads((directory / MANIFEST).read_text())
     assert manifest["run_id"]  # the first backup's own
     assert (manifest["accumulation_steps"], manifest["replicas"], manifest["workers"],
-            manifest["optimizer"]) == (3, 1, 1, "AccumulatingOptimizer > Adam")
+            manifest["optimizer"], manifest["global_batch"]) == (
+        3, 1, 1, "AccumulatingOptimizer > Adam", backup.GLOBAL_BATCH)
     assert manifest["optimizer_variables"][:2] == [["iteration", []],
                                                    ["<weight 0>_accumulated_gradient", [4, 8]]]
     if backup_from != "this version":
@@ -82,3 +84,25 @@ def test_the_same_setup_resumes_exactly(strategy1, tmp_path, collect_garbage, ba
                 record.pop(field, None)
         (directory / MANIFEST).write_text(json.dumps(manifest))
     assert_same_run(backup.one_fit(strategy1, str(directory), save_freq=1), expected)
+
+
+def test_another_replica_count_with_the_same_global_batch_resumes_exactly(
+        strategy1, strategy2, tmp_path, collect_garbage):
+    """2 replicas stopped after 3 batches, resumed on 1: the accumulators' sums are read
+    as the SUM over replicas and restored as SUM / R, so the next update is the same."""
+    expected = backup.one_fit(strategy2, str(tmp_path / "ref"), save_freq=1)
+    stopped_fit(strategy2, tmp_path / "b")
+    assert_same_run(backup.one_fit(strategy1, str(tmp_path / "b"), save_freq=1), expected)
+
+
+def test_another_replica_count_with_another_or_unknown_global_batch_is_refused(
+        strategy1, strategy2, tmp_path, collect_garbage):
+    stopped_fit(strategy2, tmp_path)
+    half = backup.dataset(backup.BATCHES * 2, backup.GLOBAL_BATCH // 2)
+    refused(strategy1, tmp_path, r"global_batch: 8 \(recorded\) vs 4 now; replicas: 2 "
+            r"\(recorded\) vs 1 now, and the global batch is 8 \(recorded\) vs 4 now: another "
+            r"worker or replica count resumes exactly only with the same global batch",
+            data=half)
+    with pytest.warns(UserWarning, match="was not given fit's arguments"):
+        refused(strategy1, tmp_path, r"replicas: 2 \(recorded\) vs 1 now, and the global "
+                r"batch is 8 \(recorded\) vs None now", resumable=False)

@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from distgrad.backup_commit import MANIFEST
-from distgrad.callbacks import PREEMPTED_EXIT_CODE, BackupAndRestore
+from distgrad.backup_and_restore import PREEMPTED_EXIT_CODE, BackupAndRestore
 from distgrad.lab import backup
 from distgrad.lab.backup import assert_same_run
 from distgrad.lab.multiworker import run_workers
@@ -61,6 +61,27 @@ def test_a_sigterm_to_one_worker_of_two_backs_up_both_after_one_batch_and_resume
     assert backed_up(tmp_path) == (0, 7)  # no finished batch lost
     for worker in run_workers("distgrad.lab.backup:fit_on_worker", **options):
         assert_same_run(backup.FitResult(**worker.check().value), uninterrupted)
+
+
+def test_two_workers_stopped_resume_exactly_on_one_and_refuse_workers_on_their_own_dirs(
+        strategy1, uninterrupted, tmp_path, collect_garbage):
+    """The spot cluster comes back smaller: 2 workers (1 replica each) SIGTERMed after
+    batch 7, resumed by one process on 1 replica, with the same global batch. Before that,
+    a restart whose worker 1 reads its own host's empty directory is refused on both."""
+    shared = tmp_path / "shared"
+    stopped = run_workers("distgrad.lab.backup:fit_on_worker", sigterm_after=SIGNALLED_AFTER,
+                          backup_dir=str(shared), **SCENARIO)
+    assert [w.returncode for w in stopped] == [PREEMPTED_EXIT_CODE] * 2, stopped[1].stderr_tail
+    manifest = (shared / MANIFEST).read_text()
+    assert json.loads(manifest)["workers"] == 2
+    apart = run_workers("distgrad.lab.backup:fit_on_worker", backup_dir=str(shared),
+                        worker_1_backup_dir=str(tmp_path / "worker-1-local"), **SCENARIO)
+    for worker in apart:
+        assert worker.returncode not in (0, PREEMPTED_EXIT_CODE)
+        assert "the workers read different backups" in worker.stderr_tail
+        assert "a file system or bucket all workers share" in worker.stderr_tail
+    assert (shared / MANIFEST).read_text() == manifest  # untouched
+    assert_same_run(backup.one_fit(strategy1, str(shared), **SCENARIO), uninterrupted)
 
 
 def test_a_sigterm_to_a_one_process_fit_backs_up_the_batch_exits_and_resumes_exactly(

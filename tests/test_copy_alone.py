@@ -13,12 +13,14 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
 REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
-                   "callbacks.py", "backup_commit.py", "preemption.py", "clipping.py",
+                   "callbacks.py", "backup_and_restore.py", "backup_commit.py", "fit_data.py",
+                   "preemption.py", "clipping.py",
                    "normalization.py", "sparse.py", "multi_worker.py", "tf_keras/optimizer.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
 # A reference file copied together with another: it imports `distgrad.<module>`, or, copied
 # (no distgrad installed), `<module>` beside it. Its docstring says so.
-COPIED_WITH = {"callbacks.py": ("backup_commit", "preemption")}
+BACKUP_FILES = ("backup_and_restore", "backup_commit", "fit_data", "preemption")
+COPIED_WITH = {"backup_and_restore.py": BACKUP_FILES[1:]}
 
 
 @pytest.mark.parametrize("name", REFERENCE_FILES)
@@ -40,32 +42,38 @@ def test_reference_module_imports_only_tensorflow_keras_numpy_and_the_stdlib(nam
         assert f"`{companion}.py`" in ast.get_docstring(tree)
 
 
-def test_callbacks_copied_with_its_companions_backs_up_without_distgrad(tmp_path, monkeypatch):
-    """callbacks.py, backup_commit.py and preemption.py copied into a project without
-    distgrad: a fit's backup is written by the copy."""
+def test_backup_and_restore_copied_with_its_companions_backs_up_without_distgrad(
+        tmp_path, monkeypatch):
+    """backup_and_restore.py, backup_commit.py, fit_data.py and preemption.py copied into a
+    project without distgrad: a fit's backup is written by the copy, no warning."""
+    import warnings
+
     import keras
     import numpy as np
 
-    for name in ("callbacks.py", "backup_commit.py", "preemption.py"):
-        shutil.copy(SRC / name, tmp_path / name)
-    for module in ("distgrad", "distgrad.backup_commit", "distgrad.preemption"):  # as if
+    for name in BACKUP_FILES:
+        shutil.copy(SRC / f"{name}.py", tmp_path / f"{name}.py")
+    for module in ("distgrad", *(f"distgrad.{name}" for name in BACKUP_FILES)):  # as if
         monkeypatch.setitem(sys.modules, module, None)  # distgrad were not installed
-    for module in ("backup_commit", "preemption"):
+    for module in BACKUP_FILES:
         monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
-    spec = importlib.util.spec_from_file_location("copied_callbacks", tmp_path / "callbacks.py")
-    copied = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(copied)
+    copied = importlib.import_module("backup_and_restore")
+    fit_data = importlib.import_module("fit_data")
     assert copied.BackupStore.__module__ == "backup_commit"
     assert copied.SigtermWatch.__module__ == "preemption"
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    inputs = keras.Input((2,))
+    model = fit_data.ResumableFitModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse")
     x = np.arange(32, dtype="float32").reshape(16, 2) / 16
     backup_dir = tmp_path / "backup"
-    model.fit(x, x.sum(axis=1), batch_size=4, verbose=0, shuffle=False, callbacks=[
-        copied.BackupAndRestore(str(backup_dir), save_freq=2, delete_checkpoint=False)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, x.sum(axis=1), batch_size=4, verbose=0, shuffle=False, callbacks=[
+            copied.BackupAndRestore(str(backup_dir), save_freq=2, delete_checkpoint=False)])
     manifest = json.loads((backup_dir / "training_metadata.json").read_text())
     assert (manifest["weights"], manifest["batches_done"]) == ("ckpt-2.weights.h5", 4)
+    assert manifest["global_batch"] == 4
     assert sorted(os.listdir(backup_dir)) == ["ckpt-2.weights.h5", "training_metadata.json"]
 
 

@@ -1,5 +1,5 @@
-"""Keras optimizer behaviours AccumulatingOptimizer does not have yet: each test fails until
-its fix (named in the docstring) is in src/distgrad/optimizer.py.
+"""Keras optimizer behaviours AccumulatingOptimizer once lacked, each now fixed in
+src/distgrad/optimizer.py (the fix named in each test's docstring): these tests keep them.
 
 Ported, like test_keras_optimizer_contract.py, from keras/src/optimizers/optimizer_test.py
 and keras/src/backend/tensorflow/optimizer_distribute_test.py; the reference is the plain

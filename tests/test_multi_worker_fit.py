@@ -204,3 +204,20 @@ def test_on_one_process_it_is_keras_own_fit(strategy2):
 
 def test_the_model_class_is_registered_for_saving():
     assert keras.saving.get_registered_object("distgrad>MultiWorkerFitModel") is MultiWorkerFitModel
+
+
+def test_the_input_check_reads_fit_arguments_through_a_micro_batching_mixin(monkeypatch):
+    """`class M(MultiWorkerFit, MicroBatching, keras.Model)`: `MicroBatching.fit` takes
+    (*args, **kwargs), so the check binds `fit`'s arguments to Keras' own signature."""
+    import distgrad.multi_worker as multi_worker
+    from distgrad.train_step import MicroBatching
+
+    monkeypatch.setattr(multi_worker, "is_multi_worker", lambda strategy: True)
+    layers = tiny_model()
+    model = type("Both", (multi_worker.MultiWorkerFit, MicroBatching, keras.Model), {})(
+        layers.inputs, layers.outputs, accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_data(FIT_EXAMPLES)
+    with pytest.raises(TypeError, match="`x` must be a tf.data.Dataset"):
+        model.fit(x, y, batch_size=FIT_GLOBAL_BATCH, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0

@@ -27,6 +27,18 @@ def test_long_output_lines_are_found(tmp_path):
     assert long_output_lines(notebook) == ["x" * 101]
 
 
-@pytest.mark.parametrize("notebook", sorted(LESSONS.glob("*.ipynb")), ids=lambda p: p.stem)
+SOURCES = sorted((LESSONS.parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_every_lesson_was_executed_into_the_site():
+    """Run alone on a fresh checkout (no `make course`), the check below would collect
+    nothing and pass: this one fails instead, naming the command."""
+    executed = sorted(p.name for p in LESSONS.glob("*.ipynb"))
+    assert executed == [p.name for p in SOURCES], (
+        "docs/lessons/ holds no executed copy of every lesson: run `make course` first")
+
+
+@pytest.mark.parametrize("notebook", [LESSONS / p.name for p in SOURCES], ids=lambda p: p.stem)
 def test_executed_lesson_output_lines_fit_the_page(notebook):
+    assert notebook.exists(), f"{notebook} was not executed: run `make course` first"
     assert long_output_lines(notebook) == []

@@ -27,6 +27,14 @@ RAW_TEX = re.compile(
     r"\\(?:frac|sum|sqrt|cdot|times|text|mathrm|mathbf|left|right|approx|le|ge)\b|\$\$")
 
 
+
+def test_the_site_was_built_with_every_lesson():
+    """The checks here and in test_site_browser.py are parametrized over the built site's
+    pages and lessons: on a fresh checkout (no `make site`) they would collect nothing and
+    pass. This one fails instead, naming the command."""
+    notebooks = sorted(p.stem for p in (SITE.parent / "notebooks").glob("[0-9][0-9]_*.py"))
+    assert PAGES and LESSONS == notebooks, "the site is not built: run `make site` first"
+
 def open_at_1280(page, path: str):
     page.set_viewport_size(VIEWPORT)
     page.goto(page.site_url + path, wait_until="load")

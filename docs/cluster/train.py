@@ -28,7 +28,6 @@ import numpy as np
 import tensorflow as tf
 
 import distgrad
-from distgrad.callbacks import PREEMPTED_EXIT_CODE
 
 PREEMPTED = 42  # BackupAndRestore's exit status after SIGTERM: run me again, I resume
 
@@ -103,6 +102,11 @@ def build_model(model_class=keras.Model):
     inputs = keras.Input((4,))
     hidden = keras.layers.Dense(16, activation="tanh")(inputs)
     return model_class(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+
+
+class TrainingModel(distgrad.ResumableFit, distgrad.MultiWorkerFit, keras.Model):
+    """`fit` works on several workers (`MultiWorkerFit`) and hands `BackupAndRestore` its
+    data and arguments (`ResumableFit`: Keras gives callbacks none)."""
 
 
 def make_schedule(args, updates):  # counted in updates: the inner optimizer's iterations
@@ -182,7 +186,7 @@ def main():
     strategy = make_strategy(args)  # before any other TensorFlow work
     # SIGTERM: BackupAndRestore's handler, installed when fit starts (after the strategy,
     # which replaces the process' handler), backs up at the same batch on every worker.
-    assert PREEMPTED == PREEMPTED_EXIT_CODE
+    assert PREEMPTED == distgrad.PREEMPTED_EXIT_CODE
     tf.config.experimental.enable_tensor_float_32_execution(False)  # float32 for the check
     if args.mixed:
         keras.mixed_precision.set_global_policy("mixed_float16")
@@ -195,7 +199,7 @@ def main():
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
     schedule = make_schedule(args, updates)
     with strategy.scope():
-        model = build_model(distgrad.MultiWorkerFitModel)  # fit works on several workers
+        model = build_model(TrainingModel)  # fit on several workers, resumable
         optimizer = distgrad.AccumulatingOptimizer(keras.optimizers.Adam(schedule), k)
         if args.mixed:  # skips a micro-batch that overflows on any replica of any worker
             optimizer = distgrad.AllReplicasFiniteLossScaleOptimizer(optimizer)

@@ -11,9 +11,11 @@ the standard library (copy one into your project and it works alone):
   k micro-batches inside one `fit` step;
 * `AccumulationCallback` (`distgrad/callbacks.py`): in `fit`, flush or discard an
   `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates;
-* `BackupAndRestore` (`distgrad/callbacks.py`): `keras.callbacks.BackupAndRestore` that
-  resumes an interrupted `fit` where its backup was taken (mid-epoch, mid-cycle), where
-  Keras 3's trains the interrupted epoch again;
+* `BackupAndRestore` (`distgrad/backup_and_restore.py`, with `backup_commit.py`,
+  `fit_data.py` and `preemption.py`): `keras.callbacks.BackupAndRestore` that resumes an
+  interrupted `fit` where its backup was taken (mid-epoch, mid-cycle, after a `SIGTERM`),
+  where Keras 3's trains the interrupted epoch again; `ResumableFit`, `ResumableFitModel`
+  (`distgrad/fit_data.py`): a model whose `fit` hands it `fit`'s arguments;
 * `MultiWorkerFit`, `MultiWorkerFitModel` (`distgrad/multi_worker.py`): `model.fit` on a
   multi-worker `MultiWorkerMirroredStrategy`, where stock Keras 3 fails;
 * `distgrad.tf_keras.AccumulatingOptimizer` (`distgrad/tf_keras/optimizer.py`, TensorFlow
@@ -23,7 +25,7 @@ the standard library (copy one into your project and it works alone):
 `import distgrad` is enough to load a saved model (`keras.models.load_model`): it imports
 TensorFlow and Keras and the modules of every class `model.save` can hold
 (`AccumulatingOptimizer`, `AllReplicasFiniteLossScaleOptimizer`, `MicroBatchingModel`,
-`MultiWorkerFitModel`), which registers them with Keras. In a process that set
+`MultiWorkerFitModel`, `ResumableFitModel`), which registers them with Keras. In a process that set
 `TF_USE_LEGACY_KERAS=1` before importing TensorFlow (tf-keras, Keras 2), it registers
 `distgrad.tf_keras.AccumulatingOptimizer` with tf-keras instead, and leaves Keras 3 alone.
 The other names, the lab and the pitfalls are imported when first used.
@@ -46,7 +48,10 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "AccumulatingOptimizer": "distgrad.optimizer",
     "AccumulationCallback": "distgrad.callbacks",
-    "BackupAndRestore": "distgrad.callbacks",
+    "BackupAndRestore": "distgrad.backup_and_restore",
+    "PREEMPTED_EXIT_CODE": "distgrad.backup_and_restore",
+    "ResumableFit": "distgrad.fit_data",
+    "ResumableFitModel": "distgrad.fit_data",
     "GradientAccumulator": "distgrad.accumulator",
     "MicroBatching": "distgrad.train_step",
     "MicroBatchingModel": "distgrad.train_step",
@@ -66,7 +71,7 @@ __all__ = sorted(_EXPORTS)
 # The modules whose classes `model.save` can write: Keras finds a class at load time only
 # if its module was imported (it imports only Keras' own modules by itself).
 SAVEABLE_MODULES = ("distgrad.optimizer", "distgrad.mixed_precision", "distgrad.train_step",
-                    "distgrad.multi_worker")
+                    "distgrad.multi_worker", "distgrad.fit_data")
 LEGACY_SAVEABLE_MODULES = ("distgrad.tf_keras.optimizer",)
 
 

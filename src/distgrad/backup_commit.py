@@ -37,11 +37,13 @@ Older layouts restore as before and are replaced by the next commit: distgrad 0.
 same two files, `{"epoch", "batch"}` only). Their commit does not hold on object storage.
 
 The manifest also records what identifies the run (`run_identity`): its run id,
-`accumulation_steps`, replicas, workers, the optimizer's class chain and variable layout.
-`load(model, identity)` refuses (before loading any weights) a backup that recorded other
-values; one written before these fields existed restores as before.
+`accumulation_steps`, the optimizer's class chain and variable layout, the global batch,
+replicas and workers. `load(model, identity)` refuses (before loading any weights) a backup
+that recorded other values, except another replica or worker count with the same global
+batch; one written before these fields existed restores as before.
 
-This file imports only TensorFlow and the standard library: copy it with `callbacks.py`.
+This file imports only TensorFlow and the standard library: copy it with
+`backup_and_restore.py`.
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ LEGACY_FILES = (LEGACY_WEIGHTS, LEGACY_PENDING_WEIGHTS, LEGACY_PENDING_METADATA,
 
 
 # What identifies a run, recorded in every manifest and compared at restore.
-IDENTITY_FIELDS = ("run_id", "accumulation_steps", "replicas", "workers", "optimizer",
-                   "optimizer_variables")
+IDENTITY_FIELDS = ("run_id", "accumulation_steps", "optimizer", "optimizer_variables",
+                   "global_batch", "replicas", "workers")
+# May differ at a restart with the same global batch: replica-local sums are restored as
+# SUM / R (`SyncOnReadVariable.assign`), so the next update all-reduces the same totals.
+TOPOLOGY_FIELDS = ("replicas", "workers")
 
 
 def weights_name(generation: int) -> str:
@@ -104,10 +109,10 @@ def _variable_layout(model, optimizer) -> list:
     return layout
 
 
-def run_identity(model, replicas: int, workers: int, run_id=None) -> dict:
+def run_identity(model, replicas: int, workers: int, run_id=None, global_batch=None) -> dict:
     """What identifies the run of `model` (compiled, its optimizer built). `run_id`: the
     user's, else `SLURM_JOB_ID` from the environment, else None (`check_identity` then
-    adopts the backup's, or a new uuid)."""
+    adopts the backup's, or a new uuid). `global_batch`: None where unknown."""
     if run_id is None:
         run_id = os.environ.get("SLURM_JOB_ID") or None
     chain = _optimizer_chain(model.optimizer)
@@ -115,6 +120,7 @@ def run_identity(model, replicas: int, workers: int, run_id=None) -> dict:
                  getattr(model, "accumulation_steps", None))
     return {"run_id": None if run_id is None else str(run_id),
             "accumulation_steps": None if steps is None else int(steps),
+            "global_batch": None if global_batch is None else int(global_batch),
             "replicas": int(replicas), "workers": int(workers),
             "optimizer": " > ".join(type(o).__name__ for o in chain),
             "optimizer_variables": (_variable_layout(model, model.optimizer)
@@ -131,18 +137,29 @@ def _layout_difference(recorded: list, now: list) -> str:
 def check_identity(recorded: dict, identity: dict, directory: str) -> dict:
     """`identity` with its run id filled in (the recorded one, or a new uuid when there is
     no backup or it recorded none); raises `ValueError` naming every field of `recorded`
-    that differs. Fields `recorded` lacks (an older backup) are not compared."""
+    that differs. Fields `recorded` lacks (an older backup) are not compared, nor a global
+    batch unknown on either side; replicas and workers may differ with the same global batch."""
     identity = dict(identity)
     if identity["run_id"] is None:
         identity["run_id"] = (recorded or {}).get("run_id") or uuid.uuid4().hex
+    recorded = recorded or {}
+    batch, batch_now = recorded.get("global_batch"), identity["global_batch"]
+    same_batch = batch is not None and batch == batch_now
     differences = []
     for field in IDENTITY_FIELDS:
-        if recorded is None or field not in recorded or recorded[field] == identity[field]:
+        if field not in recorded or recorded[field] == identity[field]:
+            continue
+        if field == "global_batch" and batch_now is None or field in TOPOLOGY_FIELDS and same_batch:
             continue
         if field == "optimizer_variables":
             what = _layout_difference(recorded[field], identity[field])
         else:
             what = f"{recorded[field]!r} (recorded) vs {identity[field]!r} now"
+        if field in TOPOLOGY_FIELDS:
+            what += (f", and the global batch is {batch!r} (recorded) vs {batch_now!r} now: "
+                     "another worker or replica count resumes exactly only with the same "
+                     "global batch, known on both sides (give BackupAndRestore fit's "
+                     "arguments: distgrad.ResumableFitModel)")
         differences.append(f"{field}: {what}")
     if differences:
         raise ValueError(
@@ -198,16 +215,20 @@ class BackupStore:
 
     # -- reading ------------------------------------------------------------------------
 
-    def load(self, model, identity: dict | None = None) -> dict | None:
+    def load(self, model, identity: dict | None = None, agree=None) -> dict | None:
         """Load the newest whole backup into `model` (built, its optimizer built); return
         its metadata, or None if there is no backup. Call it in the strategy's scope.
         `identity` (`run_identity`): checked against the backup's before any weights are
-        loaded (`check_identity`); `self.identity` is then what the next backups record."""
+        loaded (`check_identity`); `self.identity` is then what the next backups record.
+        `agree(manifest)`: called before any weights are loaded (loading is a collective
+        on several workers), with the manifest read (None if there is none)."""
         manifest = self._read_json(MANIFEST)
         if identity is not None:
             current = manifest is not None and manifest.get("format") == FORMAT
             self.identity = check_identity(manifest if current else None,  # older layouts
                                            identity, self.directory)  # record none
+        if agree is not None:
+            agree(manifest)
         if manifest is None or manifest.get("format") != FORMAT:
             return self._load_legacy(model, manifest)
         records = [{k: v for k, v in manifest.items() if k != "previous"}]

@@ -200,17 +200,18 @@ class MultiWorkerFit:
         strategy = self.distribute_strategy
         if not is_multi_worker(strategy):
             return
-        bound = inspect.signature(method).bind(*args, **kwargs).arguments
+        # Keras' own signature: a mixin after this one (MicroBatching) takes (*args, **kwargs).
+        bound = inspect.signature(method).bind(self, *args, **kwargs).arguments
         for name in names:
             if bound.get(name) is not None:
                 check_multi_worker_input(bound[name], strategy.num_replicas_in_sync, name)
 
     def fit(self, *args, **kwargs):
-        self._check_input(super().fit, args, kwargs, ("x", "validation_data"))
+        self._check_input(keras.Model.fit, args, kwargs, ("x", "validation_data"))
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        self._check_input(super().evaluate, args, kwargs, ("x",))
+        self._check_input(keras.Model.evaluate, args, kwargs, ("x",))
         return super().evaluate(*args, **kwargs)
 
 

@@ -28,7 +28,7 @@ on (it came during the last batch of a multi-worker fit, or while a restart was 
 batches to the end) is passed on when fit ends: the handler before is restored, and, if it
 is the default action, the signal raised again (a Python handler was called already).
 
-This file imports only TensorFlow and the standard library: copy it with `callbacks.py`.
+This file imports only TensorFlow and the standard library: copy it with `backup_and_restore.py`.
 """
 
 from __future__ import annotations

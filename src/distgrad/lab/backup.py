@@ -91,13 +91,16 @@ def dataset(batches: int = BATCHES, global_batch: int = GLOBAL_BATCH, shuffle_se
     return data.repeat() if repeat else data
 
 
-def build(strategy, kind: str = "accumulating", multi_worker: bool = False) -> keras.Model:
-    """A fresh seeded model of `kind`, compiled under `strategy.scope()`."""
+def build(strategy, kind: str = "accumulating", multi_worker: bool = False,
+          resumable: bool = True) -> keras.Model:
+    """A fresh seeded model of `kind`, compiled under `strategy.scope()`; `resumable`: with
+    `ResumableFit`, whose `fit` hands `BackupAndRestore` its arguments."""
+    from distgrad.fit_data import ResumableFit
     from distgrad.lab.data import tiny_model
     from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
-    from distgrad.multi_worker import MultiWorkerFitModel
+    from distgrad.multi_worker import MultiWorkerFit
     from distgrad.optimizer import AccumulatingOptimizer
-    from distgrad.train_step import MicroBatchingModel
+    from distgrad.train_step import MicroBatching
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
@@ -108,13 +111,12 @@ def build(strategy, kind: str = "accumulating", multi_worker: bool = False) -> k
             hidden, output = layers.layers
             layers = keras.Sequential([keras.Input(hidden.input.shape[1:]), hidden,
                                        keras.layers.Dropout(0.5, seed=3), output])
-        if kind == "micro_batching":
-            model = MicroBatchingModel(layers.inputs, layers.outputs,
-                                       accumulation_steps=MICRO_BATCHES)
-        elif multi_worker:
-            model = MultiWorkerFitModel(layers.inputs, layers.outputs)
-        else:
-            model = layers
+        bases = ((ResumableFit,) if resumable else ()) + (
+            (MultiWorkerFit,) if multi_worker else ()) + (
+            (MicroBatching,) if kind == "micro_batching" else ())
+        options = {"accumulation_steps": MICRO_BATCHES} if kind == "micro_batching" else {}
+        model = (type("Model", (*bases, keras.Model), {})(layers.inputs, layers.outputs,
+                                                         **options) if bases else layers)
         optimizer = keras.optimizers.Adam(LEARNING_RATE)
         if kind in ("accumulating", "mixed", "dropout"):
             optimizer = AccumulatingOptimizer(optimizer, ACCUMULATION_STEPS)
@@ -166,7 +168,7 @@ def result_of(model: keras.Model, history) -> FitResult:
 
 def _callback(callback: str, backup_dir: str, save_freq, double_checkpoint=False,
               handle_sigterm=True, run_id=None):
-    from distgrad.callbacks import BackupAndRestore
+    from distgrad.backup_and_restore import BackupAndRestore
 
     if callback == "keras":
         return keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
@@ -180,11 +182,11 @@ def one_fit(strategy, backup_dir: str, kind: str = "accumulating", callback: str
             save_freq=3, stop=None, steps_per_epoch=None, multi_worker=False,
             data=None, extra=(), batches: int = BATCHES,
             double_checkpoint: bool = False, handle_sigterm: bool = True,
-            run_id=None) -> FitResult:
+            run_id=None, resumable: bool = True) -> FitResult:
     """One `fit` of a fresh model with the backup callback, then the callbacks `extra`,
     then `stop` (a callback that ends it early), if given. Without `data`: `dataset` of
-    `batches` batches per epoch."""
-    model = build(strategy, kind, multi_worker=multi_worker)
+    `batches` batches per epoch. `resumable`: the model is a `ResumableFit`."""
+    model = build(strategy, kind, multi_worker=multi_worker, resumable=resumable)
     if data is None:
         data = dataset(batches, repeat=steps_per_epoch is not None)
     callbacks = [_callback(callback, backup_dir, save_freq, double_checkpoint,
@@ -221,12 +223,14 @@ def fit_in_child(backup_dir: str, replicas: int = 2, kill_after: int | None = No
 
 def fit_on_worker(task_index: int, num_workers: int, backup_dir: str,
                   kill_after: int | None = None, collective_timeout: float = 20.0,
-                  sigterm_after: int | None = None, **options) -> dict:
+                  sigterm_after: int | None = None, worker_1_backup_dir: str | None = None,
+                  **options) -> dict:
     """On every worker of a `run_workers` cluster: `one_fit` with `MultiWorkerFitModel` on
     `MultiWorkerMirroredStrategy`, the global batches sharded across the workers; worker 1
     sends itself SIGKILL after `kill_after` batches, or SIGTERM after `sigterm_after`, if
-    given. A worker whose peer died fails within `collective_timeout` seconds (its
-    all-reduce times out)."""
+    given; worker 1 backs up to `worker_1_backup_dir` if given (a local path of its host's,
+    not the chief's). A worker whose peer died fails within `collective_timeout` seconds
+    (its all-reduce times out)."""
     from distgrad.lab.multiworker import make_worker_strategy
 
     strategy = make_worker_strategy(collective_timeout)
@@ -235,6 +239,8 @@ def fit_on_worker(task_index: int, num_workers: int, backup_dir: str,
         stop = KillSelf(kill_after)
     elif task_index == 1 and sigterm_after is not None:
         stop = TermSelf(sigterm_after)
+    if task_index == 1 and worker_1_backup_dir is not None:
+        backup_dir = worker_1_backup_dir
     return dataclasses.asdict(one_fit(strategy, backup_dir, stop=stop, multi_worker=True,
                                       **options))
 

@@ -2,7 +2,7 @@
 
 A `fit` of 2 epochs of 8 batches with a backup every `save_freq` batches is interrupted
 after `cut` batches and run again with a fresh model, as a restarted job would: once with
-`keras.callbacks.BackupAndRestore`, once with `distgrad.callbacks.BackupAndRestore`
+`keras.callbacks.BackupAndRestore`, once with `distgrad.BackupAndRestore`
 (`distgrad.lab.backup.timeline` runs and records each). Keras' callback restores the
 backup's weights and its epoch, not its batch: the epoch starts over from batch 0, and
 the batches already in the weights are trained a second time.
