@@ -241,9 +241,11 @@ assert plain.optimizer.iterations.numpy() == backup.BATCHES  # trained, shuffled
 #   seed, or one that reshuffles each iteration, is refused with `save_freq=n` and warned
 #   about with `save_freq="epoch"`; a Python generator's order cannot be checked: warned
 #   about. Without `fit`'s arguments the order is not checked (above).
-# * **A resume reads the batches its backup holds, and drops them**: up to an epoch's reads
-#   before the first new step (section 2). TensorFlow 2.21 cannot checkpoint the iterator
-#   of a distributed dataset instead (the custom-loop deep dive shows the error).
+# * **Under a strategy, a resume reads the batches its backup holds, and drops them**: up
+#   to an epoch's reads before the first new step (section 2). TensorFlow 2.21 cannot
+#   checkpoint the iterator of a distributed dataset (the custom-loop deep dive shows the
+#   error). With no strategy (one device) the iterator's state is saved with each backup
+#   and restored instead: none is read again (`tests/test_backup_iterator.py`).
 # * **Random layers**: a `Dropout` layer's seed generator state is not among the weights
 #   `save_weights` writes, so the restart draws other masks
 #   (`tests/test_backup_and_restore.py::test_a_seeded_dropout_layer_does_not_resume_exactly`).

@@ -25,8 +25,8 @@ import keras
 import pytest
 import tensorflow as tf
 
-from distgrad.backup_commit import MANIFEST as METADATA_FILE
 from distgrad.backup_and_restore import BackupAndRestore
+from distgrad.backup_commit import MANIFEST as METADATA_FILE
 from distgrad.lab import backup
 from distgrad.lab.backup import assert_same_run
 from distgrad.lab.child import run_child

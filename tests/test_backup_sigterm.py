@@ -18,8 +18,8 @@ import threading
 
 import pytest
 
-from distgrad.backup_commit import MANIFEST
 from distgrad.backup_and_restore import PREEMPTED_EXIT_CODE, BackupAndRestore
+from distgrad.backup_commit import MANIFEST
 from distgrad.lab import backup
 from distgrad.lab.backup import assert_same_run
 from distgrad.lab.multiworker import run_workers

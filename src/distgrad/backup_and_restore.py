@@ -14,43 +14,29 @@ what it needs of `fit`'s data) and `preemption.py` (`SIGTERM`). Each is imported
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
-import zlib
 
 import keras
 import tensorflow as tf
 
 try:
-    from distgrad.backup_commit import FORMAT, LEGACY_FORMAT, BackupStore, run_identity
-    from distgrad.fit_data import describe_fit_data
-    from distgrad.preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
+    from distgrad import backup_commit, fit_data, preemption
 except ImportError:  # copied into a project: the three files beside this one
-    from backup_commit import FORMAT, LEGACY_FORMAT, BackupStore, run_identity
-    from fit_data import describe_fit_data
-    from preemption import PREEMPTED_EXIT_CODE, SigtermWatch, cluster_of
+    import backup_commit
+    import fit_data
+    import preemption
 
+PREEMPTED_EXIT_CODE = preemption.PREEMPTED_EXIT_CODE
 __all__ = ["BackupAndRestore", "PREEMPTED_EXIT_CODE"]
 
-DATA_ORDER_FIX = (
-    "To resume exactly, the data must come in the same order when fit starts again: pass "
-    "fit(..., shuffle=False) and shuffle once yourself with a seed, or a tf.data.Dataset "
-    "shuffled with dataset.shuffle(buffer_size, seed=SEED, reshuffle_each_iteration=False) "
-    "(or .shuffle(buffer_size, seed=SEED).repeat() with fit(steps_per_epoch=...), one "
-    "iterator for all epochs).")
 NO_FIT_ARGUMENTS = (
-    "BackupAndRestore was not given fit's arguments, so it cannot check that the data comes "
-    "in the same order when fit starts again, nor record the global batch (a restart on "
-    "another number of workers is then refused), and it takes a new iterator over the data "
-    "in every epoch (a fit(steps_per_epoch=...) that reads one iterator across epochs would "
-    "resume at the wrong batch after an epoch-end backup). Fix: build the model as "
+    "BackupAndRestore was not given fit's arguments: build the model as "
     "distgrad.ResumableFitModel(inputs, outputs) or class M(distgrad.ResumableFit, "
     "keras.Model), or call callback.set_fit_arguments(x, y, batch_size=..., shuffle=..., "
-    "steps_per_epoch=...) before fit.")
-
-
-def _is_multi_worker(strategy) -> bool:
-    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-            and strategy.extended._in_multi_worker_mode())
+    "steps_per_epoch=...) before fit. Without them it cannot check the data's order, nor "
+    "record the global batch (another worker count is then refused), and a "
+    "fit(steps_per_epoch=...) resumes at the wrong batch after an epoch-end backup.")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -59,8 +45,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     A `fit` interrupted anywhere and run again with the same arguments ends with the
     weights, `iterations` and epoch logs of the uninterrupted one. It restores the model,
     the optimizer (slots, `iterations`, an `AccumulatingOptimizer`'s accumulators, a loss
-    scale), the epoch, the epoch's metrics so far and the position in the data: the
-    batches the backup holds are read and dropped, not trained again.
+    scale), the epoch, the epoch's metrics so far and the position in the data: the data
+    iterator's saved state on one device with no strategy; under a strategy (whose
+    iterator TensorFlow cannot save) the batches the backup holds are read and dropped.
 
     Args:
         backup_dir: a local path or one `tf.io.gfile` writes (gs://, s3://). On several
@@ -86,10 +73,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     anything else that differs is refused by name.
 
     Raises:
-        ValueError: a bad argument; (at `fit` start) data whose order cannot repeat with
-            `save_freq=n`; an unbuilt model; a backup of another run, setup, data, or
-            worker count with another global batch; workers that restored different
-            backups; a torn newest backup with none kept before it.
+        ValueError: a bad argument; (at `fit` start) data whose order cannot repeat, with
+            `save_freq=n`; a backup of another run, setup or data; workers that read
+            different backups; a torn newest backup with none kept before it.
     """
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
@@ -116,10 +102,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def set_fit_arguments(self, x=None, y=None, batch_size=None, shuffle=True,
                           steps_per_epoch=None, validation_split=0.0):
         """Tell the callback the arguments of the next `fit` (`ResumableFit` does)."""
-        self._fit_data = describe_fit_data(x, y, batch_size, shuffle, steps_per_epoch,
-                                           validation_split)
+        self._fit_data = fit_data.describe_fit_data(x, y, batch_size, shuffle,
+                                                    steps_per_epoch, validation_split)
 
-    # -- fit hooks --------------------------------------------------------------------------
 
     def _strategy(self):
         return self.model.distribute_strategy
@@ -128,7 +113,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """The chief writes. The others still call `save_weights`, into a local temporary
         file: reading replica-local variables is a collective every worker must join."""
         strategy = self._strategy()
-        return not _is_multi_worker(strategy) or strategy.extended.should_checkpoint
+        return not preemption.is_multi_worker(strategy) or strategy.extended.should_checkpoint
 
     def on_train_begin(self, logs=None):
         self._data, self._fit_data = self._fit_data, None  # this fit's only
@@ -138,7 +123,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._check_data_order()
         self._epoch, self._batches_done, self._since_backup = 0, 0, 0
         self._step, self._iterator, self._read = 0, None, 0
-        self._store = BackupStore(self.backup_dir, keep_previous=self.double_checkpoint)
+        self._iterator_unsaved = False  # its state could not be saved: not tried again
+        self._store = backup_commit.BackupStore(self.backup_dir, self.double_checkpoint)
         self._resume = self._restore()
         if self._resume is not None:
             self.model._initial_epoch = self._resume["epoch"]  # as Keras' callback does
@@ -147,14 +133,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._sigterm = None
         if self.handle_sigterm:
             strategy = self._strategy()
-            self._sigterm = SigtermWatch(cluster_of(strategy) if _is_multi_worker(strategy)
-                                         else None)
+            multi = preemption.is_multi_worker(strategy)
+            cluster = preemption.cluster_of(strategy) if multi else None
+            self._sigterm = preemption.SigtermWatch(cluster)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batches_done = epoch, 0
-        resume = self._resume
-        if resume is not None and epoch == resume["epoch"]:
-            self._restore_metrics(resume["metrics"])  # fit has just reset them
 
     def on_train_batch_begin(self, batch, logs=None):
         self._step = batch  # the first batch of the step `_train` runs next
@@ -188,7 +172,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.delete_checkpoint and self._writes():
             self._store.delete()
 
-    # -- data -------------------------------------------------------------------------------
 
     def _check_data_order(self):
         why, certain = self._data.why_order, self._data.order_certain
@@ -198,10 +181,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(
                 f"BackupAndRestore(save_freq={self.save_freq}) resumes mid-epoch by skipping "
                 f"the batches already trained, but {why}: the resumed epoch would train "
-                f"again on some examples and never on others. {DATA_ORDER_FIX} Or back up "
-                "at epoch ends only: save_freq='epoch'.")
-        warnings.warn(f"BackupAndRestore: {why}: a resumed fit may not equal an "
-                      f"uninterrupted one. {DATA_ORDER_FIX}", UserWarning, stacklevel=3)
+                f"again on some examples and never on others. {fit_data.DATA_ORDER_FIX} Or "
+                "back up at epoch ends only: save_freq='epoch'.")
+        warnings.warn(f"BackupAndRestore: {why}: a resumed fit may not equal an uninterrupted "
+                      f"one. {fit_data.DATA_ORDER_FIX}", UserWarning, stacklevel=3)
 
     def _wrap_train_function(self):
         """Keras' TensorFlow trainer calls `model.train_function(iterator)` once per step:
@@ -221,6 +204,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._iterator, self._read = iterator, 0
         steps, resume = self.model.steps_per_execution, self._resume
         if resume is not None:
+            if not resume["restored"]:  # the resumed epoch's first step (metrics reset)
+                resume["restored"] = True
+                self._restore_metrics(resume["metrics"], iterator.element_spec)
+                if self._restore_iterator(iterator, resume):  # its state, if saved
+                    self._read = resume["read"]
             before = resume["read"] - resume["batch"]  # earlier epochs' reads of it
             if self._step < resume["batch"]:  # trained before the backup: read, drop
                 self._read_to(iterator, before + self._step + steps)
@@ -230,21 +218,59 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._read += steps
         return self._keras_train(iterator)
 
+    def _restore_iterator(self, iterator, resume: dict) -> bool:
+        """Restore the iterator's state saved with the backup, so that the batches it
+        holds are not read again; False where there is none (or it fails: warned)."""
+        if not resume["read"] or not isinstance(iterator, tf.data.Iterator):
+            return False
+        try:
+            with self._store.attachment(resume["record"], "iterator") as local:
+                return local is not None and fit_data.restore_iterator_state(iterator, local)
+        except (ValueError, AssertionError, tf.errors.OpError) as error:
+            warnings.warn(f"BackupAndRestore: the data iterator's saved state cannot be "
+                          f"restored ({error}): the {resume['read']} batches the backup "
+                          "holds are read and dropped instead.", UserWarning, stacklevel=2)
+            return False
+
+    def _iterator_state(self, directory: str):
+        """The state of the iterator `fit` reads, a file in `directory`, where TensorFlow
+        can save it (a `tf.data.Iterator`); None elsewhere, or if that fails (warned)."""
+        if not isinstance(self._iterator, tf.data.Iterator) or self._iterator_unsaved:
+            return None
+        try:
+            return fit_data.save_iterator_state(self._iterator, directory)
+        except (ValueError, tf.errors.OpError) as error:
+            self._iterator_unsaved = True
+            warnings.warn(f"BackupAndRestore: the data iterator's state cannot be saved "
+                          f"({error}): a resume reads and drops the batches a backup holds.",
+                          UserWarning, stacklevel=2)
+            return None
+
     def _read_to(self, iterator, position: int) -> None:
         while self._read < position:
             next(iterator)
             self._read += 1
 
-    # -- metrics ----------------------------------------------------------------------------
 
-    def _restore_metrics(self, totals) -> None:
-        variables = self.model.metrics_variables
-        if totals is None or len(totals) != len(variables):
+    def _restore_metrics(self, totals, element_spec) -> None:
+        if totals is None:
             return  # the epoch's logs then average the batches after the resume only
+        if len(self.model.metrics_variables) != len(totals):
+            # With no strategy Keras builds the compiled metrics at the first step: build
+            # them (public `compute_metrics`, on a batch of zeros), then overwrite them.
+            zeros = tf.nest.map_structure(
+                lambda spec: tf.zeros([d or 1 for d in spec.shape], spec.dtype), element_spec)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(zeros)
+            self.model.compute_metrics(x, y, self.model(x), sample_weight)
+        variables = self.model.metrics_variables
+        if len(variables) != len(totals):
+            raise ValueError(
+                f"BackupAndRestore: the backup in {self.backup_dir} holds {len(totals)} metric "
+                f"variables, this model has {len(variables)}: compile it with the metrics of "
+                "the run that wrote the backup, or delete the backup to start over.")
         for variable, value in zip(variables, totals):
             variable.assign(tf.cast(value, variable.dtype))
 
-    # -- backup and restore -----------------------------------------------------------------
 
     def _backup(self, epoch: int, batch: int) -> None:
         self._since_backup = 0
@@ -260,7 +286,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             "metrics": [v.numpy().tolist() for v in self.model.metrics_variables]
             if batch else None,
         }
-        self._store.save(self.model, metadata, write=self._writes())
+        with tempfile.TemporaryDirectory(prefix="distgrad-iterator-") as local:
+            state = self._iterator_state(local) if read else None
+            self._store.save(self.model, metadata, write=self._writes(),
+                             attachments={"iterator": state} if state else None)
 
     def _restore(self):
         """Load the backup, if any, into the model; return where fit resumes, or None."""
@@ -273,27 +302,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         with strategy.scope():
             if optimizer is not None and not optimizer.built:
                 optimizer.build(self.model.trainable_variables)  # its variables, to load into
-            workers = len(cluster_of(strategy)[1]) if _is_multi_worker(strategy) else 1
-            identity = run_identity(self.model, strategy.num_replicas_in_sync, workers,
-                                    self.run_id, None if self._data is None
-                                    else self._data.global_batch)
+            multi = preemption.is_multi_worker(strategy)
+            workers = len(preemption.cluster_of(strategy)[1]) if multi else 1
+            identity = backup_commit.run_identity(
+                self.model, strategy.num_replicas_in_sync, workers, self.run_id,
+                None if self._data is None else self._data.global_batch)
             metadata = self._store.load(self.model, identity,  # refuses another identity
                                         agree=self._check_same_backup_on_every_worker)
         return None if metadata is None else self._resume_point(metadata)
 
     def _check_same_backup_on_every_worker(self, manifest) -> None:
-        """One all-reduce, before any weights load: every worker read the manifest the
-        chief read (not, say, its own host's local directory's)."""
+        """Before any weights load: every worker read the chief's manifest (not, say, its
+        own host's local directory's)."""
         strategy = self._strategy()
-        if not _is_multi_worker(strategy):
-            return
         key = "no backup" if manifest is None else repr(
             [manifest.get(k) for k in ("generation", "run_id", "epoch", "batch")])
-        mark = float(zlib.crc32(key.encode()) % (1 << 20) + 1)  # sums of squares exact
-        local = tf.constant([mark, mark * mark], tf.float64)
-        total, squares = strategy.reduce("SUM", strategy.run(lambda: tf.identity(local)),
-                                         axis=None).numpy()
-        if strategy.num_replicas_in_sync * squares != total * total:
+        multi = preemption.is_multi_worker(strategy)
+        if multi and not preemption.same_on_every_worker(strategy, key):
             raise ValueError(
                 f"BackupAndRestore: the workers read different backups from "
                 f"{self.backup_dir} (this one: {key}). Every worker must read the chief's "
@@ -301,14 +326,16 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "local path on each host.")
 
     def _resume_point(self, metadata: dict) -> dict:
-        if metadata.get("format") not in (FORMAT, LEGACY_FORMAT):  # keras.callbacks' backup
+        formats = (backup_commit.FORMAT, backup_commit.LEGACY_FORMAT)
+        if metadata.get("format") not in formats:  # keras.callbacks.BackupAndRestore's
             if metadata.get("batch"):
                 warnings.warn(
                     f"BackupAndRestore: {self.backup_dir} was written by "
                     "keras.callbacks.BackupAndRestore, which does not record how many "
                     f"batches its weights hold: epoch {metadata['epoch']} restarts from its "
                     "first batch, as Keras does.", UserWarning, stacklevel=3)
-            return {"epoch": metadata["epoch"], "batch": 0, "read": 0, "metrics": None}
+            return {"epoch": metadata["epoch"], "batch": 0, "read": 0, "metrics": None,
+                    "record": metadata, "restored": False}
         expected, found = metadata["batches_per_epoch"], self.params.get("steps")
         if expected is not None and found is not None and expected != found:
             raise ValueError(
@@ -317,4 +344,5 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "or steps_per_epoch. Resume with the same fit arguments, or delete the "
                 "backup directory to start over.")
         return {"epoch": metadata["epoch"], "batch": metadata["batches_done"],
-                "read": metadata["batches_from_iterator"], "metrics": metadata["metrics"]}
+                "read": metadata["batches_from_iterator"], "metrics": metadata["metrics"],
+                "record": metadata, "restored": False}

@@ -19,6 +19,10 @@ Orbax's commit marker):
    deletes the temporary one, so a kill between the two leaves only a stray `.tmp`.
 3. Only then are the files the manifest no longer names deleted.
 
+A generation may have attachments beside its weights, copied in step 1 as
+`ckpt-<generation>.<key>` and named by the manifest: `BackupAndRestore` attaches the state
+of `fit`'s data iterator where TensorFlow can save it (one device, no strategy).
+
 A restore reads the manifest and only the file it names. A backup killed before its commit
 left at most a file no manifest names, overwritten by the next backup of that generation.
 With `keep_previous` (`double_checkpoint`) the manifest also names the generation before,
@@ -170,6 +174,11 @@ def check_identity(recorded: dict, identity: dict, directory: str) -> dict:
     return identity
 
 
+def _files(record: dict) -> list:
+    """The files of one generation: its weights and its attachments."""
+    return [record["weights"], *(a["name"] for a in record.get("attachments", {}).values())]
+
+
 @contextlib.contextmanager
 def _local_copy(path: str):
     """`path` itself if it is local, else a local temporary copy (h5py reads local files)."""
@@ -282,9 +291,10 @@ class BackupStore:
 
     # -- writing ------------------------------------------------------------------------
 
-    def save(self, model, metadata: dict, write: bool = True) -> None:
+    def save(self, model, metadata: dict, write: bool = True, attachments=None) -> None:
         """`model.save_weights` into a local temporary file (every worker must: it reads
-        replica-local variables); with `write`, commit it as the next generation."""
+        replica-local variables); with `write`, commit it as the next generation, with
+        `attachments` ({key: a local file}, e.g. the data iterator's state) beside it."""
         local_dir = tempfile.mkdtemp(prefix="distgrad-backup-")
         try:
             local = os.path.join(local_dir, "backup.weights.h5")
@@ -297,8 +307,12 @@ class BackupStore:
             generation = self._next_generation
             record = {**metadata, **self.identity, "format": FORMAT, "generation": generation,
                       "weights": weights_name(generation),
-                      "weights_bytes": os.path.getsize(local)}
+                      "weights_bytes": os.path.getsize(local), "attachments": {}}
             tf.io.gfile.copy(local, self._path(record["weights"]), overwrite=True)  # 1.
+            for key, path in (attachments or {}).items():
+                name = f"ckpt-{generation}.{key}"
+                record["attachments"][key] = {"name": name, "bytes": os.path.getsize(path)}
+                tf.io.gfile.copy(path, self._path(name), overwrite=True)
         finally:
             shutil.rmtree(local_dir, ignore_errors=True)
         named = [record] + self._named[:1] if self.keep_previous else [record]
@@ -307,13 +321,28 @@ class BackupStore:
             file.write(json.dumps(manifest))
         tf.io.gfile.rename(self._path(MANIFEST_TEMP), self._path(MANIFEST), overwrite=True)
         self._next_generation = generation + 1
-        kept = {r["weights"] for r in named}  # 3.
-        retired = [r["weights"] for r in self._named if r["weights"] not in kept]
+        kept = {name for r in named for name in _files(r)}  # 3.
+        retired = [name for r in self._named for name in _files(r) if name not in kept]
         retired += list(LEGACY_FILES) if self._legacy else []
         self._named, self._legacy = named, False
         for name in retired:
             if tf.io.gfile.exists(self._path(name)):
                 tf.io.gfile.remove(self._path(name))
+
+    @contextlib.contextmanager
+    def attachment(self, record: dict, key: str):
+        """A local copy of `record`'s attachment `key` (None if it has none); `ValueError`
+        if its file is missing or of another size than recorded (a torn write)."""
+        entry = record.get("attachments", {}).get(key)
+        if entry is None:
+            yield None
+            return
+        path = self._path(entry["name"])
+        if not tf.io.gfile.exists(path) or tf.io.gfile.stat(path).length != entry["bytes"]:
+            raise ValueError(f"{path} is missing or not the {entry['bytes']} bytes its "
+                             "manifest recorded")
+        with _local_copy(path) as local:
+            yield local
 
     def delete(self) -> None:
         """Delete the backup: the manifest first (a kill midway leaves no backup, not a

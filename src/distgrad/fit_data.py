@@ -17,6 +17,9 @@ its arguments to each callback in `callbacks` that has `set_fit_arguments` (dist
 * when Keras starts a new iterator over the data: every epoch, or, with
   `fit(steps_per_epoch=...)`, only when the data's own batches run out.
 
+`save_iterator_state` and `restore_iterator_state` keep the position of the iterator
+`fit` reads where TensorFlow can save it (one device, no strategy).
+
 This file imports only TensorFlow, Keras and the standard library: copy it with
 `backup_and_restore.py`.
 """
@@ -26,13 +29,23 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
+import tempfile
+import zipfile
 
 import keras
 import tensorflow as tf
 
-__all__ = ["FitData", "ResumableFit", "ResumableFitModel", "describe_fit_data"]
+__all__ = ["DATA_ORDER_FIX", "FitData", "ResumableFit", "ResumableFitModel", "describe_fit_data",
+           "restore_iterator_state", "save_iterator_state"]
 
 FIT_ARGUMENTS = ("x", "y", "batch_size", "shuffle", "steps_per_epoch", "validation_split")
+DATA_ORDER_FIX = (
+    "To resume exactly, the data must come in the same order when fit starts again: pass "
+    "fit(..., shuffle=False) and shuffle once yourself with a seed, or a tf.data.Dataset "
+    "shuffled with dataset.shuffle(buffer_size, seed=SEED, reshuffle_each_iteration=False) "
+    "(or .shuffle(buffer_size, seed=SEED).repeat() with fit(steps_per_epoch=...), one "
+    "iterator for all epochs).")
 SHUFFLE_OPS = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
                "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
 
@@ -121,6 +134,32 @@ def describe_fit_data(x=None, y=None, batch_size=None, shuffle=True, steps_per_e
            "of it as were trained, which is right only if it yields the same batches in the "
            "same order again")
     return FitData(why, False, None, steps_per_epoch, None)
+
+
+def save_iterator_state(iterator: tf.data.Iterator, directory: str) -> str:
+    """Save `iterator`'s position (`tf.train.Checkpoint`, files in `directory`) into one
+    zip file there; its path. Raises what TensorFlow raises for a pipeline whose state it
+    cannot save (a `py_function`, unless the dataset's `experimental_external_state_policy`
+    is IGNORE). A `tf.distribute` iterator is not a `tf.data.Iterator`: TensorFlow 2.21
+    cannot checkpoint it."""
+    prefix = os.path.join(directory, "state", "iterator")
+    tf.train.Checkpoint(iterator=iterator).write(prefix)
+    path = os.path.join(directory, "iterator.zip")
+    with zipfile.ZipFile(path, "w") as archive:
+        for name in os.listdir(os.path.dirname(prefix)):
+            archive.write(os.path.join(os.path.dirname(prefix), name), name)
+    return path
+
+
+def restore_iterator_state(iterator: tf.data.Iterator, path: str) -> bool:
+    """Restore into `iterator` (a new one over the same pipeline) the position saved in
+    `path` by `save_iterator_state`; True. Raises if the file or the pipeline differ."""
+    with tempfile.TemporaryDirectory(prefix="distgrad-iterator-") as state:
+        with zipfile.ZipFile(path) as archive:
+            archive.extractall(state)
+        tf.train.Checkpoint(iterator=iterator).read(
+            os.path.join(state, "iterator")).assert_consumed()
+    return True
 
 
 class ResumableFit:

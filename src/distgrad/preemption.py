@@ -37,6 +37,7 @@ import itertools
 import signal
 import sys
 import threading
+import zlib
 
 import tensorflow as tf
 
@@ -44,6 +45,22 @@ PREEMPTED_EXIT_CODE = 42  # tf.distribute's exit code to restart on (failure_han
 ACK_TIMEOUT_MS = 60_000  # how long the signalled worker waits for the others to acknowledge
 _STOP = "stop"  # the key's value when fit ends with no SIGTERM: the watchers return
 _fits = itertools.count()  # multi-worker fits in this process: the same on every worker
+
+
+def is_multi_worker(strategy) -> bool:
+    """A `MultiWorkerMirroredStrategy` of 2+ workers (`_in_multi_worker_mode`: private)."""
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def same_on_every_worker(strategy, key: str) -> bool:
+    """Whether every worker of `strategy` passed the same `key`: one all-reduce of a
+    20-bit hash h and h * h (equal iff R * sum(h^2) == sum(h)^2; float64 sums exact)."""
+    mark = float(zlib.crc32(key.encode()) % (1 << 20) + 1)
+    local = tf.constant([mark, mark * mark], tf.float64)
+    total, squares = strategy.reduce("SUM", strategy.run(lambda: tf.identity(local)),
+                                     axis=None).numpy()
+    return strategy.num_replicas_in_sync * squares == total * total
 
 
 def cluster_of(strategy) -> tuple[str, list[str]]:

@@ -104,10 +104,14 @@ def fit_under(strategy, backup_dir: str, kill_at=None, **options) -> dict:
 
 
 def fit_in_child(backup_dir: str, replicas: int = 2, kill_at=None, **options) -> dict:
-    """Child target: `fit_under` on `make_strategy(replicas)`."""
+    """Child target: `fit_under` on `make_strategy(replicas)`; `replicas=0`: no strategy
+    (TensorFlow's default one: one device)."""
+    import tensorflow as tf
+
     from distgrad.devices import make_strategy
 
-    return fit_under(make_strategy(replicas), backup_dir, kill_at, **options)
+    strategy = make_strategy(replicas) if replicas else tf.distribute.get_strategy()
+    return fit_under(strategy, backup_dir, kill_at, **options)
 
 
 def fit_on_worker(task_index: int, num_workers: int, backup_dir: str, kill_at=None,
