@@ -1,8 +1,8 @@
-"""A user's project that copied the three reference files and nothing else.
+"""A user's project that copied three reference files and the `non_finite.py` they share.
 
 Run as `python copied_project.py DIR` where DIR holds copies of `optimizer.py`,
-`accumulator.py` and `train_step.py`. Importing `distgrad` raises here, so the copies
-must work alone. Trains each under a 2-replica MirroredStrategy and prints, as JSON,
+`accumulator.py`, `train_step.py` and `non_finite.py`. Importing `distgrad` raises here, so
+the copies must work alone. Trains each under a 2-replica MirroredStrategy and prints, as JSON,
 how far each is from one-device big-batch training (`allclose_ratio`).
 """
 

@@ -13,14 +13,17 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
 REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
-                   "callbacks.py", "backup_and_restore.py", "backup_commit.py", "fit_data.py",
-                   "preemption.py", "clipping.py",
-                   "normalization.py", "sparse.py", "multi_worker.py", "tf_keras/optimizer.py")
+                   "non_finite.py", "callbacks.py", "backup_and_restore.py", "backup_commit.py",
+                   "fit_data.py", "preemption.py", "clipping.py", "normalization.py", "sparse.py",
+                   "multi_worker.py", "tf_keras/optimizer.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
 # A reference file copied together with another: it imports `distgrad.<module>`, or, copied
 # (no distgrad installed), `<module>` beside it. Its docstring says so.
 BACKUP_FILES = ("backup_and_restore", "backup_commit", "fit_data", "preemption")
-COPIED_WITH = {"backup_and_restore.py": BACKUP_FILES[1:]}
+# The non-finite policy is defined once, in non_finite.py, copied with each class that uses it.
+NON_FINITE_USERS = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py")
+COPIED_WITH = {"backup_and_restore.py": BACKUP_FILES[1:],
+               **{name: ("non_finite",) for name in NON_FINITE_USERS}}
 
 
 @pytest.mark.parametrize("name", REFERENCE_FILES)
@@ -84,7 +87,7 @@ def test_backup_and_restore_copied_with_its_companions_backs_up_without_distgrad
 
 
 def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path):
-    for name in ("optimizer.py", "accumulator.py", "train_step.py"):
+    for name in ("optimizer.py", "accumulator.py", "train_step.py", "non_finite.py"):
         shutil.copy(SRC / name, tmp_path / name)
     done = subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).with_name("copied_project.py")),
@@ -120,30 +123,3 @@ def test_the_base_install_is_the_reference_package_only():
     assert names == {"tensorflow", "keras", "numpy"}
     assert {"course", "docs", "test", "legacy", "bench"} <= set(project["optional-dependencies"])
 
-
-SHARED = ("_apply_unless_non_finite", "_no_output", "_poisoned", "_clips_each_replica",
-          "_summed_on_replica_0", "_finite_everywhere", "LOSS_SCALE", "CLIP_OPTIONS",
-          "NON_FINITE_POLICIES")
-# The one helper that every Keras 3 file deciding "did any replica overflow?" needs (tf-keras
-# accumulates gradients already summed over every worker: its flags agree without it).
-EVERYWHERE = ("optimizer.py", "mixed_precision.py")
-
-
-def test_the_non_finite_policy_is_the_same_code_in_both_files_that_need_it():
-    # Copyable alone means written twice: the two copies must not drift apart.
-    def definitions(name):
-        tree = ast.parse((SRC / name).read_text())
-        found = {}
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name in SHARED:
-                found[node.name] = ast.dump(node)
-            elif (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-                  and node.targets[0].id in SHARED):
-                found[node.targets[0].id] = ast.dump(node)
-        return found
-
-    accumulator, train_step = definitions("accumulator.py"), definitions("train_step.py")
-    assert set(accumulator) == set(SHARED)
-    assert accumulator == train_step
-    for name in EVERYWHERE:
-        assert definitions(name)["_finite_everywhere"] == accumulator["_finite_everywhere"], name

@@ -245,16 +245,6 @@ def test_get_config_round_trip_restores_steps_inner_optimizer_and_clipping():
     assert restored.get_config() == optimizer.get_config()
 
 
-def test_configs_saved_by_distgrad_0_1_still_load():
-    config = keras.saving.serialize_keras_object(
-        AccumulatingOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), 4))
-    inner = config["config"].pop("inner_optimizer")
-    config["config"].update(optimizer=inner, steps=config["config"].pop("accumulation_steps"))
-    restored = keras.saving.deserialize_keras_object(config)
-    assert restored.accumulation_steps == 4
-    assert restored.inner_optimizer.momentum == 0.9
-
-
 def _mixed_float16_model(strategy, optimizer):
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")

@@ -688,12 +688,6 @@ def test_tf_keras_skips_an_overflowing_micro_batch_and_resumes_a_save_exactly(tm
 # -- what a user writes by mistake ------------------------------------------------------
 
 
-def test_the_keywords_of_distgrad_0_1_are_named_with_their_new_names():
-    with pytest.raises(TypeError, match=r"optimizer= is now inner_optimizer=; steps= is now "
-                                        r"accumulation_steps="):
-        distgrad.AccumulatingOptimizer(optimizer=keras.optimizers.Adam(), steps=4)
-
-
 def test_a_gradient_accumulator_takes_no_accumulation_count(strategy):
     with strategy.scope():
         model = make_model()

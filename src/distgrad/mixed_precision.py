@@ -1,15 +1,9 @@
 """A Keras 3 `LossScaleOptimizer` that skips a step when *any* replica overflowed.
 
-Keras' own wrapper, under `MirroredStrategy`, takes the finiteness of the gradients from
-replica 0 only (`LossScaleOptimizer._tf_apply`: "Arbitrarily take `finite` from the
-first replica"). The comment is inherited from tf-keras, where the gradients were
-all-reduced before the check; in Keras 3 the wrapper sees each replica's *partial*
-gradients and the sum happens later, inside the inner optimizer. An overflow confined
-to another replica's shard is therefore applied, and the all-reduce sums `inf` into
-every copy of the weights. `distgrad.pitfalls.lso_first_replica_finite` reproduces it.
-
-This file imports only TensorFlow and Keras: copy it into a project and use
-`AllReplicasFiniteLossScaleOptimizer` where Keras would build a `LossScaleOptimizer`.
+Copy this file with `non_finite.py` (the finiteness all-reduce it shares): it imports only
+TensorFlow, Keras and `distgrad.non_finite`, or, copied into a project, `non_finite`. Why
+Keras' own wrapper misses an overflow on replica 1: docs/design.md,
+"AllReplicasFiniteLossScaleOptimizer".
 """
 
 from __future__ import annotations
@@ -18,6 +12,11 @@ import warnings
 
 import keras
 import tensorflow as tf
+
+try:
+    from distgrad.non_finite import finite_everywhere
+except ImportError:  # copied into a project: non_finite.py beside this file
+    from non_finite import finite_everywhere
 
 # The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
 # < 3.5 does not sum gradients over replicas (keras-team/keras#19969).
@@ -32,46 +31,42 @@ if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m 
 class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     """Keras' `LossScaleOptimizer`, skipping a step unless every replica's gradients are finite.
 
-    Pass it to `model.compile(optimizer=...)` under a `mixed_float16` policy (Keras then
-    does not add its own wrapper), or use it in a custom loop exactly like Keras'
-    `LossScaleOptimizer`; it composes with accumulation as
-    `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(inner, k))`.
+    Keras' own wrapper takes the finiteness of the gradients from replica 0 only; this one
+    ANDs every replica's flag (of every worker), so all skip together. With one replica it
+    behaves exactly like Keras' wrapper.
 
-    It takes the constructor arguments of Keras' `LossScaleOptimizer`: `inner_optimizer`
-    (the optimizer that makes the update), `initial_scale` (default 2**15),
-    `dynamic_growth_steps` (finite steps after which the scale doubles) and its
-    keyword arguments.
+    Args:
+        inner_optimizer: the optimizer that makes the update.
+        initial_scale: the initial loss scale (default 2**15).
+        dynamic_growth_steps: finite steps after which the scale doubles.
+        **kwargs: Keras' `LossScaleOptimizer` keyword arguments.
 
-    State: that of `LossScaleOptimizer` (`dynamic_scale`, its step counter and the
-    inner optimizer's variables), and `skipped_steps`: the steps it skipped because some
-    replica's gradients overflowed (under `AccumulatingOptimizer`, a step is a
-    micro-batch). `model.save` and `tf.train.Checkpoint` save it.
+    State:
+        Keras' (`dynamic_scale`, the step counter, the inner optimizer's variables), and
+        `skipped_steps`: steps skipped because some replica's gradients overflowed (under
+        `AccumulatingOptimizer`, a step is a micro-batch). At the end of a `fit` that
+        skipped some, a `UserWarning` gives the count and the scale.
 
-    Nothing skipped is silent: at the end of every `fit` that skipped steps, a
-    `UserWarning` says how many and the scale they brought it to (a few are expected
-    while the scale comes down from its initial 2**15);
-    `distgrad.AccumulationCallback` puts the count into `fit`'s logs.
+    Example:
 
-    Contract, per call of `apply` / `apply_gradients` in replica context:
-        * every replica's gradients finite: they are unscaled and applied (the inner
-          optimizer all-reduces them) and the scale may grow, as in Keras;
-        * any replica's gradients non-finite: no replica applies anything, the scale
-          halves; the decision is the same on every replica, of every worker (read in
-          cross-replica context: on one worker every replica's flag is visible there, no
-          extra collective; on several workers of a MultiWorkerMirroredStrategy, one
-          small all-reduce of the flags across workers, so that all skip together).
-        With one replica it behaves exactly like Keras' wrapper.
+    ```python
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=AllReplicasFiniteLossScaleOptimizer(
+            AccumulatingOptimizer(keras.optimizers.Adam(), accumulation_steps=4)),
+            loss="mse")
+    ```
 
     Raises:
-        ValueError: `apply` called in cross-replica context; (first step) 2+ replicas
-            without merge_call (XLA on GPUs), where no loss-scale update can run.
+        ValueError: `apply` in cross-replica context; (first step) 2+ replicas without
+            merge_call (XLA on GPUs), where no loss-scale update can run.
     """
 
     def __init__(self, inner_optimizer, *args, **kwargs):
         super().__init__(inner_optimizer, *args, **kwargs)
         self._skips_reported = None  # `skipped_steps` when the step was traced / last fit
-        # distgrad's AccumulatingOptimizer refuses, on 2+ replicas, a wrapper that does not
-        # say this.
+        # AccumulatingOptimizer refuses, on 2+ replicas, a wrapper that does not say this.
         if hasattr(inner_optimizer, "overflow_checked_on_every_replica"):
             inner_optimizer.overflow_checked_on_every_replica = True
 
@@ -115,34 +110,30 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
             self._skips_reported = self._skipped_now() if self.built else 0
         super().apply(grads, trainable_variables)
 
-    # Keras computes `finite` inside `_tf_apply` (private), and no public hook sees
-    # all replicas' flags, so the override is of that method: Keras' body, with the
-    # AND over replicas in place of "take replica 0's value".
+    # Keras' `_tf_apply`, with the AND over replicas in place of "take replica 0's value".
     def _tf_apply(self, grads, trainable_variables=None):
         if tf.distribute.in_cross_replica_context():
-            raise ValueError("apply() must be called in a replica context.")
+            raise ValueError("Call apply() inside strategy.run: it must be called in a replica "
+                             "context.")
         # Keras branches on the same internal TF predicate: no merge_call available.
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             context = tf.distribute.get_replica_context()
             if context is None or context.num_replicas_in_sync == 1:
                 self._common_apply(grads, trainable_variables=trainable_variables)
                 return
-            # Keras' update is then a replica-context cond around the inner optimizer,
-            # whose `iterations` (ONLY_FIRST_REPLICA) TensorFlow updates through
-            # merge_call, which it refuses in a cond: fail here, naming the way out.
+            # Keras' update is then a replica-context cond, in which TensorFlow cannot
+            # update the inner optimizer's ONLY_FIRST_REPLICA `iterations`.
             raise ValueError(
+                "Compile with jit_compile=False: "
                 f"{type(self).__name__} cannot update on {context.num_replicas_in_sync} "
-                "replicas without merge_call (TensorFlow's path for XLA-compiled steps on "
-                "GPUs): Keras' loss-scale update is a replica-context tf.cond, in which "
-                "TensorFlow cannot update the inner optimizer's `iterations`. Keras' own "
-                "LossScaleOptimizer fails there too. Compile with jit_compile=False.")
+                "replicas without merge_call (XLA on GPUs), and Keras' own LossScaleOptimizer "
+                "fails there too.")
 
         def _handle_cross_replica(distribution, grads, trainable_variables):
             finite_per_replica = distribution.extended.call_for_each_replica(
                 self.check_finite, args=(grads,))
-            # The gradients are each replica's partial gradients (Keras 3 sums them
-            # later, inside the inner optimizer): every replica must be finite.
-            finite = _finite_everywhere(distribution, finite_per_replica)
+            # Each replica's partial gradients (summed later, in the inner optimizer).
+            finite = finite_everywhere(distribution, finite_per_replica)
 
             def apply_fn():
                 distribution.extended.call_for_each_replica(
@@ -155,24 +146,3 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
         tf.distribute.get_replica_context().merge_call(
             _handle_cross_replica, args=(grads, trainable_variables))
 
-
-def _finite_everywhere(distribution, finite):
-    """In cross-replica context: whether the per-replica flag `finite` holds on every
-    replica of every worker.
-
-    `experimental_local_results` holds this worker's replicas only. On one worker (every
-    replica local: MirroredStrategy) their AND is the answer, with no collective. On a
-    MultiWorkerMirroredStrategy of 2+ workers, one small all-reduce (float32: GPU
-    collectives take no int32) adds up the non-finite flags, so every worker takes the same
-    branch; else a worker that skips leaves the others waiting in the gradient all-reduce.
-    Every worker issues it, before the branch, in the same order.
-    """
-    local = distribution.experimental_local_results(finite)
-    if distribution.num_replicas_in_sync == len(local):
-        return tf.reduce_all(tf.stack(local))
-    # Each local replica's 1.0 if non-finite (any order: it is a sum); no replica threads,
-    # which call_for_each_replica would start inside merge_call.
-    non_finite = distribution.experimental_distribute_values_from_function(
-        lambda value_context: 1.0 - tf.cast(
-            local[value_context.replica_id_in_sync_group % len(local)], tf.float32))
-    return tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, non_finite, axis=None), 0.0)

@@ -1,37 +1,8 @@
 """In-step micro-batching for `model.fit`: k micro-batches, one update, one all-reduce.
 
-    model = MicroBatchingModel(inputs, outputs, accumulation_steps=4)  # functional
-    model = with_micro_batches(existing_model, 4)   # same layers, shared weights
-    class MyModel(MicroBatching, keras.Model): ...  # subclassed models
-
-This file imports only TensorFlow and Keras: copy it into a project and use it alone.
-
-How `MicroBatching.train_step` matches Keras' own (`keras/src/backend/tensorflow/
-trainer.py`, `TensorFlowTrainer.train_step`):
-
-* **Loss scaling.** `compute_loss` returns the mean over the slice it is given,
-  divided by the number of replicas R (`keras/src/losses/loss.py`:
-  `scale_loss_for_distribution`; regularization losses are scaled by 1/R too). Each
-  slice's loss is divided by k once more, so the k slices sum to the replica's batch
-  mean / R, and the optimizer's SUM all-reduce makes that the global mean gradient.
-  Regularization terms, added once per slice, count k * (1/k) = once.
-* **Mixed precision.** Each slice's loss goes through `optimizer.scale_loss` before
-  `tape.gradient`; the summed *scaled* gradients go to `apply_gradients` once, so a
-  `LossScaleOptimizer` checks finiteness, unscales and updates once per step. Keras'
-  own `LossScaleOptimizer` (the one `compile` adds under `mixed_float16`) checks
-  replica 0 only under MirroredStrategy, so when any replica's sum overflowed, every
-  replica hands it a NaN first gradient: it skips the step and halves its scale, like
-  one big batch that overflowed. The step is counted in `skipped_updates`.
-  (`distgrad.mixed_precision.AllReplicasFiniteLossScaleOptimizer` checks every replica
-  itself and counts its `skipped_steps`: it gets the gradients as they are.)
-* **Metrics.** The loss tracker gets each slice's loss times R (like
-  `unscale_loss_for_distribution`), weighted by the slice size, and `compute_metrics`
-  runs on every slice: a `Mean` over k equal slices is the `Mean` over the batch, so
-  `fit`'s history equals plain `fit`'s.
-* **One all-reduce.** The loop body holds no `apply_gradients`, hence no `merge_call`
-  and no collective; no `tf.cond` surrounds the apply either ("skip" adds one, in
-  cross-replica context).
-* **Epoch ends.** Every step is a whole update: nothing carries over.
+Copy this file with `non_finite.py` (the non-finite policy it shares): it imports only
+TensorFlow, Keras and `distgrad.non_finite`, or, copied into a project, `non_finite`.
+How its `train_step` matches Keras' own: docs/design.md, "MicroBatching".
 """
 
 from __future__ import annotations
@@ -40,7 +11,23 @@ import warnings
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
+
+try:
+    from distgrad.non_finite import (
+        LOSS_SCALE,
+        apply_unless_non_finite,
+        check_policy,
+        clips_each_replica,
+        summed_on_replica_0,
+    )
+except ImportError:  # copied into a project: non_finite.py beside this file
+    from non_finite import (
+        LOSS_SCALE,
+        apply_unless_non_finite,
+        check_policy,
+        clips_each_replica,
+        summed_on_replica_0,
+    )
 
 # The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
 # < 3.5 does not sum gradients over replicas (keras-team/keras#19969), < 3.4 has no
@@ -50,42 +37,6 @@ if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m 
     raise ImportError(f"distgrad.train_step needs TensorFlow >= 2.16 and Keras >= 3.10, found "
                       f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
                       "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
-
-NON_FINITE_POLICIES = ("raise", "skip")
-# Not a user's choice: under a LossScaleOptimizer, it skips and halves its scale.
-LOSS_SCALE = "loss_scale"
-
-
-CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
-
-
-def _clips_each_replica(optimizer) -> bool:
-    """True for a Keras 3 optimizer (or one inside a LossScaleOptimizer) with clipping:
-    Keras clips each replica's part *before* its SUM all-reduce (distgrad lesson 01), not
-    the sum one device would clip. distgrad's AccumulatingOptimizer clips the sum itself."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if getattr(inner, "non_finite", None) is not None:  # also inside a LossScaleOptimizer
-        return False
-    return (isinstance(inner, keras.optimizers.Optimizer)
-            and any(getattr(inner, option, None) for option in CLIP_OPTIONS))
-
-
-def _summed_on_replica_0(grads):
-    """Replica context: the SUM over replicas of `grads` on replica 0, zeros on the others
-    (one all-reduce). The optimizer's per-replica clipping then clips the whole gradient,
-    and its own SUM all-reduce gives every replica that clipped sum."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return grads
-    present = [i for i, g in enumerate(grads) if g is not None]
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                [tf.convert_to_tensor(grads[i]) for i in present])
-    first = tf.equal(context.replica_id_in_sync_group, 0)
-    grads = list(grads)
-    for i, total in zip(present, summed):
-        grads[i] = tf.where(first, total, tf.zeros_like(total))
-    return grads
-
 
 def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -109,54 +60,43 @@ def check_micro_batches(global_batch_size: int, accumulation_steps: int, replica
         below, above = global_batch_size // unit * unit, (global_batch_size // unit + 1) * unit
         suggestion = f"{below} or {above}" if below else f"{above}"
         raise ValueError(
-            f"global batch of {global_batch_size} examples cannot be split into "
-            f"{replicas} replica(s) x accumulation_steps={accumulation_steps} equal micro-batches. "
             f"Use a batch_size that is a multiple of accumulation_steps x replicas = {unit} "
-            f"(e.g. {suggestion}), and drop a smaller last batch "
-            "(tf.data: .batch(batch_size, drop_remainder=True))."
-        )
+            f"(e.g. {suggestion}) and drop a smaller last batch (tf.data: .batch(batch_size, "
+            f"drop_remainder=True)): a global batch of {global_batch_size} examples cannot be "
+            f"split into {replicas} replica(s) x accumulation_steps={accumulation_steps} equal "
+            "micro-batches.")
     return global_batch_size // unit
 
 
 def _ragged_message(accumulation_steps: int, replicas: int) -> str:
     unit = accumulation_steps * replicas
     return (
-        f"MicroBatching: the per-replica batch is not divisible by accumulation_steps="
-        f"{accumulation_steps} ({replicas} replica(s)). Every batch, including the last one of "
-        f"an epoch, must hold a multiple of accumulation_steps x replicas = {unit} examples: "
-        "batch a tf.data.Dataset with .batch(batch_size, drop_remainder=True), or make the "
-        "number of examples a multiple of batch_size, and use a batch_size that is a "
-        f"multiple of {unit}."
-    )
+        "MicroBatching: batch with .batch(batch_size, drop_remainder=True) (or make the number "
+        f"of examples a multiple of batch_size), with a batch_size a multiple of {unit}: the "
+        f"per-replica batch is not divisible by accumulation_steps={accumulation_steps} "
+        f"({replicas} replica(s)), and every batch must hold a multiple of accumulation_steps "
+        f"x replicas = {unit} examples.")
 
 
 def _xla_dynamic_batch_message(accumulation_steps: int, replicas: int) -> str:
     return (
-        "MicroBatching with jit_compile=True needs a static batch dimension: Keras traced "
-        "the step for a batch of unknown size (it retraces with a generalized shape, "
-        "typically for a smaller last batch), and XLA compiles the run-time divisibility "
-        "check out, so a ragged batch would be silently truncated. Batch a tf.data.Dataset "
-        "with .batch(batch_size, drop_remainder=True) or make the number of examples a "
-        f"multiple of batch_size (a multiple of accumulation_steps x replicas = "
-        f"{accumulation_steps * replicas}), or compile with jit_compile=False."
-    )
+        "Batch with .batch(batch_size, drop_remainder=True) or make the number of examples a "
+        "multiple of batch_size (a multiple of accumulation_steps x replicas = "
+        f"{accumulation_steps * replicas}), or compile with jit_compile=False: MicroBatching "
+        "with jit_compile=True needs a static batch dimension, since XLA compiles the check "
+        "of a smaller last batch out and would silently truncate it.")
 
 
 _STEPS_PER_EXECUTION_MESSAGE = (
-    "MicroBatching: model.compile(steps_per_execution > 1) cannot run on several replicas: "
-    "Keras calls the step function from a tf.cond branch inside its loop, and TensorFlow "
-    "does not feed that function the call-time key of its gradient all-reduce "
-    "(\"InvalidArgumentError: You must feed a value for placeholder tensor\"; stock Keras, "
-    "plain Adam too: https://github.com/keras-team/keras/issues/19246; the cause: distgrad's "
-    "upstream page, 'steps-per-execution'). Compile with steps_per_execution=1: the "
-    "micro-batches already run k per step.")
+    "Compile with steps_per_execution=1 (the micro-batches already run k per step): "
+    "MicroBatching with steps_per_execution > 1 cannot run on several replicas, where "
+    "TensorFlow does not feed the step's all-reduce its key (stock Keras, plain Adam too). "
+    "https://github.com/keras-team/keras/issues/19246")
 _JIT_COMPILE_MESSAGE = (
-    "MicroBatching: model.compile(jit_compile=True) cannot run on several replicas that are "
-    "not all GPUs: Keras compiles the whole step, both replicas included, into one XLA "
-    "cluster, which cannot reach the other device's variables (\"Trying to access resource "
-    "... located in device CPU:1 from device CPU:0\"; stock Keras, plain Adam too: "
-    "https://github.com/keras-team/keras/issues/19005). Compile with jit_compile=False "
-    "(what Keras' default, \"auto\", picks under tf.distribute).")
+    "Compile with jit_compile=False (what Keras' default, \"auto\", picks under "
+    "tf.distribute): MicroBatching with jit_compile=True cannot run on several replicas that "
+    "are not all GPUs, as one XLA cluster cannot reach the other device's variables (stock "
+    "Keras, plain Adam too). https://github.com/keras-team/keras/issues/19005")
 
 
 def _leading_dimension(structure):
@@ -170,172 +110,56 @@ def _slice(structure, start, size):
         lambda t: None if t is None else t[start:start + size], structure)
 
 
-# These, and LOSS_SCALE to _summed_on_replica_0 above, are the same as in
-# distgrad/accumulator.py (each file is copyable alone; tests/test_copy_alone.py checks
-# that the copies do not drift apart).
-def _no_output(fn, *args, **kwargs) -> None:  # a tf.cond branch: both return nothing
-    fn(*args, **kwargs)
-
-
-def _poisoned(grads, finite):
-    """`grads` with the first gradient all NaN unless `finite` (a scalar bool)."""
-    grads = list(grads)
-    i = next(i for i, g in enumerate(grads) if g is not None)
-    values = grads[i].values if isinstance(grads[i], tf.IndexedSlices) else grads[i]
-    values = tf.where(finite, values, tf.constant(float("nan"), values.dtype))
-    grads[i] = (tf.IndexedSlices(values, grads[i].indices, grads[i].dense_shape)
-                if isinstance(grads[i], tf.IndexedSlices) else values)
-    return grads
-
-
-def _apply_unless_non_finite(apply_fn, grads, non_finite: str, describe, on_skip) -> None:
-    """Replica context: `apply_fn(grads)` unless some replica's `grads` hold NaN/Inf.
-
-    Every replica decides alike: from merge_call's cross-replica view of every replica's
-    flag (plus one small all-reduce across workers when replicas are on several workers),
-    or (without merge_call) from one all-reduce of it. `non_finite="raise"`: the
-    step fails with `tf.errors.InvalidArgumentError` ("assertion failed: " + the strings
-    and tensors `describe()` returns) before anything changes. `"skip"`: `on_skip()`
-    runs instead, once (in cross-replica context when there is one). `LOSS_SCALE`
-    (`apply_fn` calls a LossScaleOptimizer): `on_skip()` runs as for "skip", and
-    `apply_fn` is called with the first gradient NaN on *every* replica, so that the
-    optimizer skips the step and halves its scale: Keras' own reads replica 0 only.
-
-    Raises:
-        ValueError: (trace time) "raise" in an XLA-compiled step (XLA compiles assertions
-            out); "skip" on 2+ replicas without merge_call (XLA on GPUs), where TensorFlow
-            cannot update a Keras optimizer inside a `tf.cond` (its ONLY_FIRST_REPLICA
-            `iterations` needs merge_call).
-    """
-    if non_finite not in (*NON_FINITE_POLICIES, LOSS_SCALE):
-        raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
-    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(g)))
-                                     for g in grads if g is not None]))
-    context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync
-    no_merge_call = tf.__internal__.distribute.strategy_supports_no_merge_call()
-    if non_finite == LOSS_SCALE:
-        if replicas > 1 and no_merge_call:
-            raise ValueError(
-                "A LossScaleOptimizer cannot update on several replicas without merge_call "
-                "(TensorFlow's path for XLA-compiled steps on GPUs): its update is a "
-                "replica-context tf.cond, in which TensorFlow cannot update the inner "
-                "optimizer's `iterations`. Compile with jit_compile=False.")
-        if no_merge_call:  # one replica (no strategy, or XLA): its flag is all there is
-            tf.cond(finite, lambda: None, lambda: _no_output(on_skip))
-        else:  # every replica's flag, read where all are visible
-            def every_replica(distribution, flag):
-                everywhere = _finite_everywhere(distribution, flag)
-                tf.cond(everywhere, lambda: None, lambda: _no_output(on_skip))
-                return everywhere
-
-            finite = context.merge_call(every_replica, args=(finite,))
-        apply_fn(_poisoned(grads, finite))
-        return
-    if non_finite == "raise":
-        if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-            raise ValueError(
-                "non_finite='raise' cannot raise in an XLA-compiled step (XLA compiles "
-                "assertions out; Keras compiles with XLA on a GPU by itself): pass "
-                "non_finite='skip', or compile with jit_compile=False.")
-        if replicas > 1 and no_merge_call:
-            finite = tf.equal(context.all_reduce(
-                tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32)), 0.0)
-        elif replicas > 1:
-            finite = context.merge_call(_finite_everywhere, args=(finite,))
-        def fail():
-            # `describe()` reads variables in here: that makes this cond a resource op for
-            # automatic control dependencies, ordered per replica. A bare Assert (stateful,
-            # no resource) is chained after the previous replica's in tracing order, and
-            # with collectives in replica context (no merge_call) that deadlocked the step.
-            with tf.control_dependencies([tf.debugging.Assert(False, describe())]):
-                return tf.constant(False)
-
-        checked = tf.cond(finite, lambda: tf.constant(True), fail)
-        # The check gates every op `apply_fn` creates, merge_call's included (its
-        # cross-replica function runs under the replica threads' control dependencies).
-        with tf.control_dependencies([checked]):
-            apply_fn(grads)
-        return
-    if no_merge_call:
-        if replicas > 1:
-            raise ValueError(
-                "non_finite='skip' on several replicas without merge_call (TensorFlow's path "
-                "for XLA-compiled steps on GPUs) needs the optimizer update inside a tf.cond, "
-                "where TensorFlow cannot update a Keras optimizer's `iterations`. Wrap the "
-                "optimizer: distgrad's AccumulatingOptimizer(optimizer, accumulation_steps=1, "
-                "non_finite='skip') skips there; or compile with jit_compile=False.")
-        tf.cond(finite, lambda: _no_output(apply_fn, grads), lambda: _no_output(on_skip))
-        return
-
-    def cross_replica(distribution, finite, grads):
-        # As in Keras' LossScaleOptimizer._tf_apply: a cond whose branch updates a
-        # MirroredStrategy optimizer (merge_call) must be taken in cross-replica context.
-        tf.cond(_finite_everywhere(distribution, finite),
-                lambda: _no_output(distribution.extended.call_for_each_replica, apply_fn,
-                                   args=(grads,)),
-                lambda: _no_output(on_skip))
-
-    context.merge_call(cross_replica, args=(finite, grads))
-
-
 class MicroBatching:
     """Mixin for `keras.Model`: `train_step` runs k micro-batches, then applies once.
 
-    Put it *before* `keras.Model` in the bases: `class M(MicroBatching, keras.Model)`.
+    Put it before `keras.Model` in the bases. Each per-replica batch is split into k
+    slices; their gradients are summed in the step and applied once, so `fit`'s steps,
+    callbacks, schedules and `iterations` count updates, and the result equals plain
+    `fit` on the whole batch (Keras' default loss reduction; limits: docs/design.md).
 
     Args:
         accumulation_steps: k, the micro-batches each per-replica batch is split into
-            (default 1: what Keras' own `train_step` computes). Also an attribute that
-            can be changed between `fit` calls (the traced train function is dropped).
-        non_finite: a step whose summed gradients are NaN/Inf on any replica (float32).
-            "raise" (default): `tf.errors.InvalidArgumentError` naming the update, before
-            anything changes. "skip": no update, counted in `skipped_updates`, which
-            `fit`'s logs then show. An optimizer that handles non-finite gradients
-            itself decides instead: a `LossScaleOptimizer` (it skips the step and halves
-            its scale, after an overflow on any replica: Keras' own gets NaN gradients
-            on every replica then) or one with a `non_finite` policy (distgrad's
-            `AccumulatingOptimizer`).
+            (default 1: Keras' own `train_step`). Settable between `fit` calls.
+        non_finite: a step whose summed gradients are NaN/Inf on any replica. "raise"
+            (default): `tf.errors.InvalidArgumentError` before anything changes. "skip":
+            no update, counted in `skipped_updates`. Under a `LossScaleOptimizer` (which
+            skips and halves its scale), or an optimizer with its own `non_finite`
+            (`AccumulatingOptimizer`), the optimizer decides.
 
-    State: Keras' own, and `skipped_updates` (a mirrored int64 `tf.Variable`: saved by
-    `tf.train.Checkpoint(model=...)`, not a model weight): steps skipped as non-finite
-    ("skip", or under Keras' `LossScaleOptimizer`). Nothing skipped is silent: `fit`'s
-    logs (and `History`) hold `skipped_updates` whenever steps can be skipped, and a
-    `fit` that skipped some ends with a `UserWarning`. The summed gradients are loop
-    variables of one step, so `fit` steps, callbacks, schedules and `iterations` count
-    updates.
+    State:
+        Keras' own, and `skipped_updates` (a mirrored int64 `tf.Variable`, saved by
+        `tf.train.Checkpoint(model=...)`, not a model weight): steps skipped as
+        non-finite. `fit`'s logs show it whenever steps can be skipped, and a `fit` that
+        skipped some ends with a `UserWarning`.
 
-    Limits:
-        * Exact equivalence needs Keras' default loss reduction `"sum_over_batch_size"`
-          (`"mean_with_sample_weight"` divides each slice by its own weight sum).
-        * Batch-dependent layers (BatchNorm in training mode) see micro-batch
-          statistics and update their moving averages k times per step.
-        * Sparse (`IndexedSlices`) gradients are densified into the sums.
-        * The loss tracker is Keras' `self._loss_tracker`, the one private attribute
-          used: the one Keras' own `train_step` updates.
+    Example:
+
+    ```python
+    class MyModel(MicroBatching, keras.Model):
+        ...
+
+    model = MicroBatchingModel(inputs, outputs, accumulation_steps=4)  # functional
+    model = with_micro_batches(existing_model, 4)  # same layers, shared weights
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64)  # one update per batch, 4 micro-batches per replica
+    ```
 
     Raises (from `fit`):
         ValueError: a batch that does not split into k equal micro-batches per replica
-            (see `check_micro_batches`), at trace time when the batch size is static,
-            and always under `jit_compile=True`, where XLA would compile the run-time
-            check out and silently truncate a ragged batch.
-        tf.errors.InvalidArgumentError: the same, at run time, for an unknown batch
-            size (typically a smaller last batch): use `drop_remainder=True`; a
-            non-finite step under "raise".
-        ValueError: a bad `non_finite`; (first step) "raise" under `jit_compile=True`,
-            "skip" on 2+ replicas without merge_call (XLA on GPUs); (start of `fit`) on
-            2+ replicas, `steps_per_execution > 1`, and `jit_compile=True` on devices
-            that are not all GPUs, which stock Keras cannot run there either: the message
-            names the fix.
+            (at trace time for a static batch, always under `jit_compile=True`); a bad
+            `non_finite`; (first step) "raise" under XLA, "skip" on 2+ replicas without
+            merge_call; (start of `fit`, 2+ replicas) `steps_per_execution > 1`, or
+            `jit_compile=True` on devices that are not all GPUs.
+        tf.errors.InvalidArgumentError: (run time) a batch of unknown size that does not
+            split; a non-finite step under "raise".
     """
 
     def __init__(self, *args, accumulation_steps: int = 1, non_finite: str = "raise",
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
-        if non_finite not in NON_FINITE_POLICIES:
-            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got "
-                             f"{non_finite!r}.")
+        check_policy(non_finite)
         self.non_finite = non_finite
         # A tf.Variable, not a Keras one, so that it is not one of the model's weights.
         self.skipped_updates = tf.Variable(
@@ -437,11 +261,10 @@ class MicroBatching:
         return None
 
     def _apply_summed(self, gradients, trainable):
-        # The only sync point of the step: the optimizer's SUM all-reduce (and, with
-        # clipping on several replicas, one all-reduce before it: see _summed_on_replica_0).
+        # The only sync: the optimizer's SUM all-reduce (with clipping, one more before it).
         optimizer = self.optimizer
-        if _clips_each_replica(optimizer):
-            gradients = _summed_on_replica_0(gradients)
+        if clips_each_replica(optimizer):
+            gradients = summed_on_replica_0(gradients)
 
         def apply(grads):
             optimizer.apply_gradients(zip(grads, trainable))
@@ -454,7 +277,7 @@ class MicroBatching:
         # only: poisoned gradients make it see an overflow on any replica.
         policy = (LOSS_SCALE if isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
                   else self.non_finite)
-        _apply_unless_non_finite(apply, gradients, policy, lambda: [
+        apply_unless_non_finite(apply, gradients, policy, lambda: [
             "MicroBatching: NaN/Inf summed gradients on some replica at update",
             optimizer.iterations + 1, "(optimizer.iterations + 1); nothing was applied."],
             lambda: self.skipped_updates.assign_add(1))
@@ -515,31 +338,9 @@ def with_micro_batches(model: keras.Model, accumulation_steps: int,
         inputs = outputs = None
     if not inputs or not outputs:
         raise ValueError(
-            f"{type(model).__name__} has no symbolic inputs/outputs (a subclassed or "
-            "unbuilt model). Build it with keras.Input, or subclass "
-            "`class MyModel(MicroBatching, keras.Model)`."
-        )
+            "Build the model with keras.Input, or subclass `class MyModel(MicroBatching, "
+            f"keras.Model)`: {type(model).__name__} has no symbolic inputs/outputs (a "
+            "subclassed or unbuilt model).")
     return MicroBatchingModel(inputs, outputs, accumulation_steps=accumulation_steps,
                               non_finite=non_finite)
 
-
-def _finite_everywhere(distribution, finite):
-    """In cross-replica context: whether the per-replica flag `finite` holds on every
-    replica of every worker.
-
-    `experimental_local_results` holds this worker's replicas only. On one worker (every
-    replica local: MirroredStrategy) their AND is the answer, with no collective. On a
-    MultiWorkerMirroredStrategy of 2+ workers, one small all-reduce (float32: GPU
-    collectives take no int32) adds up the non-finite flags, so every worker takes the same
-    branch; else a worker that skips leaves the others waiting in the gradient all-reduce.
-    Every worker issues it, before the branch, in the same order.
-    """
-    local = distribution.experimental_local_results(finite)
-    if distribution.num_replicas_in_sync == len(local):
-        return tf.reduce_all(tf.stack(local))
-    # Each local replica's 1.0 if non-finite (any order: it is a sum); no replica threads,
-    # which call_for_each_replica would start inside merge_call.
-    non_finite = distribution.experimental_distribute_values_from_function(
-        lambda value_context: 1.0 - tf.cast(
-            local[value_context.replica_id_in_sync_group % len(local)], tf.float32))
-    return tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, non_finite, axis=None), 0.0)
