@@ -221,18 +221,18 @@ display(show_code(first_replica.reproduce))
 # ### Deep dive · The same runs, step by step
 
 # %%
-from distgrad import mixed_precision
+from distgrad import non_finite
 from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 
 ours = inspect.getsource(AllReplicasFiniteLossScaleOptimizer._tf_apply)
 start, end = ours.index("        def _handle_cross_replica"), ours.index("            def apply_fn")
 display(Code(textwrap.dedent(ours[start:end]).rstrip(), language="python"))
-assert "finite = _finite_everywhere(distribution, finite_per_replica)" in ours
+assert "finite = finite_everywhere(distribution, finite_per_replica)" in ours
 assert ")[0]" not in ours  # no replica is taken for all
 # On one worker, every replica's flag ANDed; on several workers, one more small all-reduce
 # (MultiWorkerMirroredStrategy: a worker sees only its own replicas' flags).
-everywhere = inspect.getsource(mixed_precision._finite_everywhere)
+everywhere = inspect.getsource(non_finite.finite_everywhere)
 assert "return tf.reduce_all(tf.stack(local))" in everywhere
 for hit, (_stock, fixed) in runs.items():
     assert len(warned[hit]) == 1 and warned[hit][0].startswith(  # and it says so, once
