@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Extras every target needs (the lessons run tf-keras children; `make test` builds the site).
-EXTRAS := course,docs,test,legacy
+# Extras every target needs (the lessons run tf-keras children; `make test` builds the site),
+# and the course's own package (src/course: the lab, the pitfalls, JupyterLab and friends).
+EXTRAS := docs,test,legacy
 # Executed copies of the lessons land here; mkdocs renders them with their outputs.
 EXECUTED := docs/lessons
 NOTEBOOK_TIMEOUT ?= 900
@@ -25,10 +26,10 @@ install: $(STAMP)
 # pip byte-compiles what it installs one file at a time; compileall -j 0 does it on every
 # core (measured on 2 cores: 32 s -> 21 s). Like pip, it does not stop at a file that does
 # not compile (Python then compiles that module when it is imported).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml src/course/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install --no-compile -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --no-compile -e '.[$(EXTRAS)]' -e ./src/course
 	$(PY) -m compileall -q -j 0 $(VENV)/lib || echo "compileall: the files above did not compile"
 	touch $(STAMP)
 
@@ -84,7 +85,7 @@ slurm:
 
 course: lessons site
 	@echo ""
-	@echo "Course executed on: $$($(PY) -c 'import distgrad,json; print(json.dumps(distgrad.environment_report()))' 2>/dev/null)"
+	@echo "Course executed on: $$($(PY) -c 'import distgrad,json; print(json.dumps(distgrad_course.environment_report()))' 2>/dev/null)"
 	@echo "Site built in site/. Open site/index.html, or run 'make serve' for http://127.0.0.1:8000"
 
 serve: install
@@ -192,7 +193,7 @@ gpu-check: install
 # its run. Writes docs/versions/matrix.json and the tables docs/versions.md includes; cells
 # already run at this commit are skipped. `make matrix TF=2.18` runs (again) one minor.
 matrix:
-	$(PYTHON) tests/version_matrix.py $(if $(TF),--tf $(TF))
+	$(PYTHON) src/course/distgrad_course/version_matrix.py $(if $(TF),--tf $(TF))
 
 clean:
 	rm -rf site build $(EXECUTED)/*.ipynb

@@ -46,7 +46,7 @@ from benchmarks.loop_runners import (
     PlainCustom,
 )
 from benchmarks.runners import Failed
-from distgrad.pitfalls import CapturedError
+from distgrad_course.pitfalls import CapturedError
 
 OURS = (AccumulatingOptimizerFit, MicroBatchingFit, GradientAccumulatorCustom,
         AccumulatingOptimizerCustom)

@@ -1,4 +1,5 @@
-"""What one `distgrad.lab.child` child costs: forked from the fork server or a fresh interpreter.
+"""What one `distgrad_course.lab.child` child costs: forked from the fork server or a
+fresh interpreter.
 
     .venv/bin/python -m benchmarks.child_startup                # 8 interleaved pairs
     .venv/bin/python -m benchmarks.child_startup --pairs 3 --json out.json
@@ -33,8 +34,8 @@ import statistics
 import sys
 import time
 
-from distgrad.lab import fork_server
-from distgrad.lab.child import run_child
+from distgrad_course.lab import fork_server
+from distgrad_course.lab.child import run_child
 
 TARGETS = ("benchmarks.child_startup:import_keras", "benchmarks.child_startup:tiny_fit")
 MODES = {"forked": "1", "fresh": "0"}
@@ -55,7 +56,7 @@ def import_keras() -> dict:
 
 def tiny_fit(replicas: int = 2) -> dict:
     """In the child: a MirroredStrategy over `replicas` logical CPUs, one small fit."""
-    from distgrad.devices import make_strategy
+    from distgrad_course.devices import make_strategy
 
     strategy = make_strategy(replicas)
     import keras

@@ -14,11 +14,11 @@ import keras
 import tensorflow as tf
 
 from benchmarks.runners import Runner, accumulating_optimizer_state, sgd, timed
-from distgrad.lab.graph import fit_step_placement
 from distgrad.optimizer import AccumulatingOptimizer
-from distgrad.pitfalls import CapturedError
-from distgrad.pitfalls.mask_trick import patch_with_mask
 from distgrad.train_step import with_micro_batches
+from distgrad_course.lab.graph import fit_step_placement
+from distgrad_course.pitfalls import CapturedError
+from distgrad_course.pitfalls.mask_trick import patch_with_mask
 
 PYPI_PACKAGE = "gradient-accumulator"
 

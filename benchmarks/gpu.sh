@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
-# One GPU and 2+ replicas: distgrad.make_strategy splits the GPU into logical GPUs of
+# One GPU and 2+ replicas: distgrad_course.make_strategy splits the GPU into logical GPUs of
 # this many MB each (the default, 4096, is too small for the gpu preset's plain-B step).
 export DISTGRAD_GPU_MEMORY_MB="${DISTGRAD_GPU_MEMORY_MB:-24576}"
 if ! command -v nvidia-smi >/dev/null 2>&1; then

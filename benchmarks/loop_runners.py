@@ -9,10 +9,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from benchmarks.runners import Runner, accumulating_optimizer_state, sgd, timed
-from distgrad.lab.accumulation import AccumulatedTrainer
-from distgrad.lab.graph import all_reduce_placement
-from distgrad.lab.recipes import make_replica_step
 from distgrad.optimizer import AccumulatingOptimizer
+from distgrad_course.lab.accumulation import AccumulatedTrainer
+from distgrad_course.lab.graph import all_reduce_placement
+from distgrad_course.lab.recipes import make_replica_step
 
 
 class PlainCustom(Runner):

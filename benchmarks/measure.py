@@ -10,7 +10,7 @@ block is recorded too, and compared the same way.
 
 All-reduces, three ways, for one accumulated update (k micro-batches):
 
-* **graph**: `distgrad.lab.graph.all_reduce_placement` / `fit_step_placement` on
+* **graph**: `distgrad_course.lab.graph.all_reduce_placement` / `fit_step_placement` on
   each traced function: all-reduces that run on every call, and
   those inside a `tf.cond` branch (run only when it is taken);
 * **derived**: graph counts x how often each ran: calls counted by the runner (fit's
@@ -34,8 +34,12 @@ import statistics
 import time
 
 from benchmarks import trace
-from distgrad.lab.args import positive_int
-from distgrad.lab.memory import allocator_device, fresh_process_step_memory, measure_step_memory
+from distgrad_course.lab.args import positive_int
+from distgrad_course.lab.memory import (
+    allocator_device,
+    fresh_process_step_memory,
+    measure_step_memory,
+)
 
 
 def summary(values) -> dict:
@@ -166,7 +170,7 @@ FRESH_CONFIGS = ("micro_batching", "plain_micro_batch", "plain_big_batch")
 def fresh_process_memory(sizes, k: int, replicas: int, physical_gpus: int, log=print,
                          timeout: float = 600) -> list:
     """Peak RSS and allocator bytes of micro-batching vs plain B/k vs plain B, each in a
-    fresh process (`distgrad.lab.memory.fresh_process_step_memory`)."""
+    fresh process (`distgrad_course.lab.memory.fresh_process_step_memory`)."""
     big = k * sizes.micro_batch
     steps_and_batch = dict(zip(FRESH_CONFIGS, ((k, big), (1, sizes.micro_batch), (1, big))))
 

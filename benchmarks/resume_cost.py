@@ -33,7 +33,7 @@ import time
 def pipeline(batches: int, map_work: int):
     import tensorflow as tf
 
-    from distgrad.lab import backup
+    from distgrad_course.lab import backup
 
     x, y = backup.examples(batches)
 
@@ -55,7 +55,7 @@ def timed_fit(strategy, backup_dir: str, data, stop_after: int) -> float:
     import keras
 
     from distgrad.backup_and_restore import BackupAndRestore
-    from distgrad.lab import backup
+    from distgrad_course.lab import backup
 
     model = backup.build(strategy, "accumulating")
     counter = model.optimizer.total_micro_steps
@@ -80,7 +80,7 @@ def timed_fit(strategy, backup_dir: str, data, stop_after: int) -> float:
 def measure(strategy, at: int, rounds: int, map_work: int) -> dict:
     import tensorflow as tf
 
-    from distgrad.lab import backup
+    from distgrad_course.lab import backup
 
     data = pipeline(2 * at, map_work)
     source = tempfile.mkdtemp(prefix="resume-cost-")
@@ -114,7 +114,7 @@ def measure(strategy, at: int, rounds: int, map_work: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from distgrad.devices import make_strategy
+    from distgrad_course.devices import make_strategy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="backup at batch 50, 2 rounds")

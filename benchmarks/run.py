@@ -19,7 +19,7 @@ What runs, in order (see `benchmarks.approaches` for the runners):
 5. **peak RSS** of micro-batching vs plain B/k vs plain B, each in a fresh process
    (`benchmarks.measure.fresh_process_memory`).
 
-On a machine with GPUs the replicas are GPUs (`distgrad.make_strategy`), the `gpu`
+On a machine with GPUs the replicas are GPUs (`distgrad_course.make_strategy`), the `gpu`
 size preset is used, and the results file gets a `-gpu` suffix, so CPU and GPU results
 live side by side and the page shows both (`benchmarks.report`).
 """
@@ -208,8 +208,8 @@ def measure(args) -> dict:
     started_wall = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
-    import distgrad
-    from distgrad.devices import replica_devices
+    import distgrad_course
+    from distgrad_course.devices import replica_devices
 
     replica_devices(args.replicas)  # logical devices first, before any other TF work
     import tensorflow as tf
@@ -231,8 +231,8 @@ def measure(args) -> dict:
     # INSTANCE_KEY_START_NUMBER) and their all-reduces collide ("Shape mismatch in the
     # collective instance 100", tensorflow/tensorflow#62790).
     strategies = {"none": tf.distribute.get_strategy(),
-                  "R1": distgrad.make_strategy(1),
-                  f"R{args.replicas}": distgrad.make_strategy(args.replicas)}
+                  "R1": distgrad_course.make_strategy(1),
+                  f"R{args.replicas}": distgrad_course.make_strategy(args.replicas)}
     distributed = f"R{args.replicas}"
     label = "gpu" if physical_gpus else "cpu"
     _log(f"preset {preset} {sizes}, k={args.k}, ks={args.ks}, strategies {list(strategies)}")
@@ -279,7 +279,7 @@ def measure(args) -> dict:
                     "shared": "other engineers' work ran on the same cores" if label == "cpu"
                     else None},
         "git_commit": _git_commit(),
-        "environment": distgrad.environment_report(strategies[distributed]),
+        "environment": distgrad_course.environment_report(strategies[distributed]),
         "sizes": dataclasses.asdict(sizes),
         "optimizer": f"keras.optimizers.SGD(learning_rate={runners.LEARNING_RATE})",
         "k": args.k,

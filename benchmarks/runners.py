@@ -18,8 +18,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from distgrad.lab.args import positive_int
-from distgrad.pitfalls import CapturedError
+from distgrad_course.lab.args import positive_int
+from distgrad_course.pitfalls import CapturedError
 
 LEARNING_RATE = 1e-3
 
@@ -58,7 +58,7 @@ PRESETS = {
 def mlp(features: int, hidden: int, layers: int, seed: int = 0) -> keras.Model:
     """`layers` tanh Dense layers of `hidden` units and a Dense(1) output, seeded.
 
-    The shape of `distgrad.lab.memory.wide_mlp`, as a plain functional model. Build it
+    The shape of `distgrad_course.lab.memory.wide_mlp`, as a plain functional model. Build it
     under the strategy scope.
     """
     inputs = keras.Input((features,))

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.sigterm_cost            # 2 workers, 4 rounds of 60 batches
     .venv/bin/python -m benchmarks.sigterm_cost --quick    # smoke size
 
-A local `MultiWorkerMirroredStrategy` cluster of 2 worker processes (`distgrad.lab`'s, on
+A local `MultiWorkerMirroredStrategy` cluster of 2 worker processes (`distgrad_course.lab`'s, on
 the CPU) trains lesson 08's model (`AccumulatingOptimizer(Adam, 3)`) with
 `BackupAndRestore(save_freq="epoch")`, one epoch per `fit`, in paired rounds: with
 `handle_sigterm=False` and `True`, the order alternating. Per `fit`: the median time
@@ -33,9 +33,9 @@ def worker(task_index: int, num_workers: int, batches: int, rounds: int) -> dict
     import keras
 
     from distgrad.backup_and_restore import BackupAndRestore
-    from distgrad.lab import backup
-    from distgrad.lab.multiworker import make_worker_strategy
     from distgrad.preemption import SigtermWatch, cluster_of
+    from distgrad_course.lab import backup
+    from distgrad_course.lab.multiworker import make_worker_strategy
 
     strategy = make_worker_strategy(60.0)
     model = backup.build(strategy, "accumulating", multi_worker=True)
@@ -80,7 +80,7 @@ def worker(task_index: int, num_workers: int, batches: int, rounds: int) -> dict
 
 
 def main(argv=None) -> dict:
-    from distgrad.lab.multiworker import run_workers
+    from distgrad_course.lab.multiworker import run_workers
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 40 batches")

@@ -35,7 +35,7 @@ import tempfile
 
 import tensorflow as tf
 
-from distgrad.lab.graph import ALL_REDUCE_OP_TYPES
+from distgrad_course.lab.graph import ALL_REDUCE_OP_TYPES
 
 CATEGORIES = ("accumulate", "assign", "finiteness check")
 _BY_TYPE = {"AssignAddVariableOp": "accumulate", "AssignVariableOp": "assign",

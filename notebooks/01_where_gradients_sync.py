@@ -40,13 +40,14 @@
 import tensorflow as tf
 
 import distgrad
-from distgrad.lab.display import show_code, show_environment, show_table
+import distgrad_course
+from distgrad_course.lab.display import show_code, show_environment, show_table
 
-strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
+strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
 tf.get_logger().setLevel("ERROR")  # no INFO lines; the cells below retrace on purpose
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 
 # %% [markdown]
 # ## 1 · The fix
@@ -130,11 +131,11 @@ for w, w_reference in zip(model.get_weights(), reference.get_weights()):
 # ### Where the sum happens
 #
 # We trace the fix's step again with spies on the functions between `apply_gradients` and the
-# variable write (`distgrad.lab.spy`), recording the context each ran in. Tracing runs no step.
+# variable write (`distgrad_course.lab.spy`), recording the context each ran in. Tracing runs no step.
 
 # %%
-from distgrad.lab.graph import count_collectives
-from distgrad.lab.spy import record_sync_path, summarize_path
+from distgrad_course.lab.graph import count_collectives
+from distgrad_course.lab.spy import record_sync_path, summarize_path
 
 R = strategy.num_replicas_in_sync  # the fix's strategy: every cell below uses it
 fresh_step = tf.function(distributed_train_step.python_function)
@@ -177,7 +178,7 @@ assert order.index("BaseOptimizer._clip_gradients") < order.index("ReplicaContex
 assert order.index("ReplicaContext.all_reduce") < order.index(
     "TFOptimizer._distributed_tf_update_step")
 
-from distgrad.lab.compare import mirrored_copies_agree
+from distgrad_course.lab.compare import mirrored_copies_agree
 
 assert mirrored_copies_agree(model.trainable_variables)  # every copy holds the same value
 steps_run, iterations = 2 * len(list(dataset)), int(optimizer.iterations.numpy())
@@ -216,8 +217,8 @@ assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 # big-batch step on one device (`sgd_update_ratio`):
 
 # %%
-from distgrad.lab.recipes import replica_loss, sgd_update_ratio
-from distgrad.pitfalls import per_replica_mean
+from distgrad_course.lab.recipes import replica_loss, sgd_update_ratio
+from distgrad_course.pitfalls import per_replica_mean
 
 show_code(replica_loss)
 
@@ -238,9 +239,9 @@ assert abs(mean_record.global_scaling_ratio - 1) < 1e-6  # compute_average_loss 
 # gradient is one device's Adam with ε / R: the step keeps its size. Three Adam steps:
 
 # %%
-from distgrad.lab.compare import OPTIMIZERS, check_close, update_ratio, updates, weights_of
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.recipes import big_batch_reference, make_replica_step, run_steps
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, update_ratio, updates, weights_of
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.recipes import big_batch_reference, make_replica_step, run_steps
 
 lab_x, lab_y = regression_data(GLOBAL_BATCH)  # the data per_replica_mean.reproduce used
 mean_step = make_replica_step(GLOBAL_BATCH, "per_replica_mean")  # the mistake
@@ -262,7 +263,7 @@ assert OPTIMIZERS["adam"]().epsilon == 1e-7  # Keras' default
 # | a Keras 3 loss object (already ÷ R) divided again | the loss object as is, or `reduction=None` + `compute_average_loss`, not both | [loss object](../pitfalls.md#loss-object-scaling) |
 # | a weight penalty added on every replica | it goes through `tf.nn.scale_regularization_loss` | [regularization](../pitfalls.md#regularization-scaling) |
 # | a smaller last batch divided by `GLOBAL_BATCH` | `drop_remainder=True`, or divide by the examples counted | [last batch](../pitfalls.md#last-batch-scaling) |
-# | gradients all-reduced by hand, then by `apply_gradients` | one all-reduce in the traced step (`distgrad.lab.graph.count_collectives`) | [double sum](../pitfalls.md#double-sum) |
+# | gradients all-reduced by hand, then by `apply_gradients` | one all-reduce in the traced step (`distgrad_course.lab.graph.count_collectives`) | [double sum](../pitfalls.md#double-sum) |
 # | `clipnorm` or `global_clipnorm` in the optimizer | none there; `distgrad.clip_by_global_norm_across_replicas` | [clipping](../pitfalls.md#clip-before-sync) |
 # | `BatchNormalization` | `synchronized=True` | [BatchNorm](../pitfalls.md#batchnorm-statistics) |
 # | `mixed_float16`: Keras' loss-scale wrapper reads replica 0 only | `distgrad.AllReplicasFiniteLossScaleOptimizer` | [loss scale](../pitfalls.md#lso-first-replica-finite) |
@@ -277,7 +278,7 @@ assert OPTIMIZERS["adam"]().epsilon == 1e-7  # Keras' default
 # changes no weight.
 #
 # This deep dive and the next ones run the fix's replica step on the lab's small model and data
-# (`tiny_model`, `regression_data`) through `distgrad.lab.recipes.run_steps` (a fresh model and
+# (`tiny_model`, `regression_data`) through `distgrad_course.lab.recipes.run_steps` (a fresh model and
 # optimizer under the scope, `strategy.run` per step), so the step takes them as arguments:
 
 # %%
@@ -358,7 +359,7 @@ assert abs(ratios["adam"] - 1) < 1e-3  # only epsilon tells R * g from g
 # squared error is 1:
 
 # %%
-from distgrad.pitfalls import loss_object_scaling
+from distgrad_course.pitfalls import loss_object_scaling
 
 losses = loss_object_scaling.reproduce(strategy)
 show_table(["called as", "where", "value on each replica"], [
@@ -396,7 +397,7 @@ assert losses.sgd_step_vs_one_device.within()
 # `num_replicas_in_sync` (`tensorflow/python/ops/nn_impl_distribute.py`):
 
 # %%
-from distgrad.pitfalls import regularization_scaling
+from distgrad_course.pitfalls import regularization_scaling
 
 show_code(regularization_scaling.make_replica_step)
 
@@ -424,7 +425,7 @@ assert reg.cross_replica_error.contains("cross replica context")
 # are summed **twice**: the update is R times too large, and the step pays two all-reduces.
 
 # %%
-from distgrad.pitfalls import double_sum
+from distgrad_course.pitfalls import double_sum
 
 record = double_sum.reproduce(strategy, examples=GLOBAL_BATCH)
 print(textwrap.fill(f"{record.aggregate_flag_error.type}: {record.aggregate_flag_error.message}",
@@ -474,7 +475,7 @@ show_code(distgrad.clip_by_global_norm_across_replicas)
 # clipped SGD step, R replicas against one device).
 
 # %%
-from distgrad.pitfalls import clip_before_sync
+from distgrad_course.pitfalls import clip_before_sync
 
 CLIP_NORM = 0.05
 keras3 = {option: clip_before_sync.reproduce(strategy, option, CLIP_NORM, examples=GLOBAL_BATCH)
@@ -582,7 +583,7 @@ assert clipped_ops.all_reduces == full_step.all_reduces + 1  # the price: one mo
 # the examples the step really holds on all replicas, counted with one scalar all-reduce:
 
 # %%
-from distgrad.pitfalls import last_batch_scaling
+from distgrad_course.pitfalls import last_batch_scaling
 
 show_code(last_batch_scaling.global_batch_size_of)
 

@@ -39,14 +39,15 @@
 import tensorflow as tf
 
 import distgrad
+import distgrad_course
 
-strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
+strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
-from distgrad.lab.display import show_environment, show_table
+from distgrad_course.lab.display import show_environment, show_table
 
 tf.get_logger().setLevel("ERROR")  # quiet TensorFlow's INFO lines (strategies, retracing)
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 
 # %% [markdown]
 # ## 1 · The fix
@@ -191,7 +192,7 @@ import types
 
 import matplotlib.pyplot as plt
 
-from distgrad.lab.compare import (
+from distgrad_course.lab.compare import (
     OPTIMIZERS,
     check_close,
     check_not_close,
@@ -199,10 +200,10 @@ from distgrad.lab.compare import (
     updates,
     weights_of,
 )
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import ALL_REDUCE_OP_TYPES, count_collectives, graph_op_types
-from distgrad.lab.recipes import big_batch_reference
-from distgrad.pitfalls import lazy_slot_creation, outside_strategy_run
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.graph import ALL_REDUCE_OP_TYPES, count_collectives, graph_op_types
+from distgrad_course.lab.recipes import big_batch_reference
+from distgrad_course.pitfalls import lazy_slot_creation, outside_strategy_run
 
 R = strategy.num_replicas_in_sync  # the fix's strategy (all your GPUs)
 EXAMPLES = 8 * R  # the big batch of one update: divisible by k * R for k in 1, 2, 4
@@ -735,7 +736,7 @@ for name in ("momentum", "adam"):
     assert lazy[name].lazy_error.contains("fn_with_cond")
     assert lazy[name].built_first_vs_big_batch.within()
     assert lazy[name].call_time_int32_inputs == R  # one collective instance key per replica
-one_replica = lazy_slot_creation.reproduce(distgrad.make_strategy(1), "adam", examples=EXAMPLES)
+one_replica = lazy_slot_creation.reproduce(distgrad_course.make_strategy(1), "adam", examples=EXAMPLES)
 print("one replica, lazy Adam slots ->", one_replica.lazy_error or "ran")
 assert one_replica.lazy_error is None and one_replica.call_time_int32_inputs == 0
 
@@ -869,7 +870,7 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
 # releases), or the `tf-keras` package behind `tf.keras` when
 # `TF_USE_LEGACY_KERAS=1` is set *before* TensorFlow is imported. This notebook runs
 # Keras 3, and a process cannot switch, so the tf-keras program below is written to a
-# file and run in a child Python (`distgrad.lab.legacy.run_legacy` sets the variable and
+# file and run in a child Python (`distgrad_course.lab.legacy.run_legacy` sets the variable and
 # puts the folder on `PYTHONPATH`). It is the fix's loop, with
 # `distgrad.GradientAccumulator` (which holds no Keras object of its own: tf.distribute
 # variables, and the optimizer you pass) and a tf-keras `Adam`. The lab supplies the
@@ -885,8 +886,8 @@ import numpy as np
 import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
 
 from distgrad import GradientAccumulator
-from distgrad.lab.legacy import legacy_strategy
-from distgrad.lab.legacy_fit import big_batch_fit, tiny_model, weights
+from distgrad_course.lab.legacy import legacy_strategy
+from distgrad_course.lab.legacy_fit import big_batch_fit, tiny_model, weights
 
 
 def train(replicas, x, y, accumulation_steps, updates):
@@ -919,7 +920,7 @@ def train(replicas, x, y, accumulation_steps, updates):
             "updates": int(optimizer.iterations.numpy())}
 
 # %%
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab.legacy import run_legacy
 
 tf_keras_run = run_legacy("tf_keras_custom_loop:train", R, env={"PYTHONPATH": program_folder},
                           x=x.tolist(), y=y.tolist(), accumulation_steps=K, updates=3)

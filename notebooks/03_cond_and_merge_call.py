@@ -36,15 +36,16 @@
 import tensorflow as tf
 
 import distgrad
+import distgrad_course
 
-strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
+strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson is about several replicas: set DISTGRAD_REPLICAS >= 2"
 tf.get_logger().setLevel("ERROR")  # no INFO lines; the cells below retrace on purpose
 
-from distgrad.lab.display import show_code, show_environment, show_table, statements
+from distgrad_course.lab.display import show_code, show_environment, show_table, statements
 
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 
 # %% [markdown]
 # ## 1 · The fix
@@ -56,8 +57,6 @@ show_environment(distgrad.environment_report(strategy))
 import keras
 import numpy as np
 import tensorflow as tf
-
-import distgrad  # the packaged form: `pip install .` in a clone of this repository (not on PyPI)
 
 # Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -135,11 +134,11 @@ print(f"{strategy.num_replicas_in_sync} replicas, k = {K}: equal to one big-batc
 # question's patch with `tf.cond` ("the happy path"), exactly as posted.
 
 # %%
-from distgrad.lab.compare import OPTIMIZERS, check_close, weight_diff
-from distgrad.lab.data import regression_data
-from distgrad.lab.recipes import fit_run
 from distgrad.optimizer import AccumulatingOptimizer
-from distgrad.pitfalls import cond_merge_call
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, weight_diff
+from distgrad_course.lab.data import regression_data
+from distgrad_course.lab.recipes import fit_run
+from distgrad_course.pitfalls import cond_merge_call
 
 R = strategy.num_replicas_in_sync  # the fix cell's strategy, used from here on
 STEPS, MICRO_BATCH, UPDATES = 4, 2 * R, 3  # k micro-batches of B per update, n updates
@@ -234,7 +233,7 @@ import importlib.util
 import inspect
 import pathlib
 
-from distgrad.lab.data import tiny_model
+from distgrad_course.lab.data import tiny_model
 
 
 def error_line(error, width=96):
@@ -509,7 +508,7 @@ for name, make in OPTIMIZERS.items():
 # not the big batch at all.
 
 # %%
-from distgrad.lab.compare import check_not_close
+from distgrad_course.lab.compare import check_not_close
 
 in_fit = {name: cond_merge_call.patched_run(strategy, CrossReplicaCondPatch, OPTIMIZERS[name],
                                             x, y, MICRO_BATCH, STEPS, fit=True)
@@ -574,7 +573,7 @@ show_code(AccumulatingOptimizer._apply_accumulated)
 # In `model.fit` on R replicas, and in a custom loop, against one-device big-batch `fit`:
 
 # %%
-from distgrad.lab.recipes import custom_loop_run
+from distgrad_course.lab.recipes import custom_loop_run
 
 adam = OPTIMIZERS["adam"]
 packaged_fit = fit_run(strategy, lambda: AccumulatingOptimizer(adam(), STEPS), x, y, MICRO_BATCH)
@@ -595,7 +594,7 @@ for run in (packaged_fit, loop):
 # partial gradient: lesson 01), paying one extra all-reduce per update:
 
 # %%
-from distgrad.lab.graph import fit_step_placement
+from distgrad_course.lab.graph import fit_step_placement
 
 
 def clipped():
@@ -623,7 +622,7 @@ assert (placement.every_call, placement.conditional) == (0, 2)
 # The wrapper checks while the step is traced, so `fit` fails before a weight moves:
 
 # %%
-from distgrad.lab.data import tiny_model
+from distgrad_course.lab.data import tiny_model
 
 refused = {}
 for flag, fix in (("steps_per_execution", "steps_per_execution=1"),
@@ -651,7 +650,7 @@ for flag, fix in (("steps_per_execution", "steps_per_execution=1"),
 # %%
 import matplotlib.pyplot as plt
 
-from distgrad.pitfalls import mask_trick
+from distgrad_course.pitfalls import mask_trick
 
 show_code(mask_trick.QuestionMaskPatch)
 
@@ -772,7 +771,7 @@ fig.tight_layout()
 # %%
 import tempfile
 
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab.legacy import run_legacy
 
 tf_keras_source = pathlib.Path(importlib.util.find_spec("distgrad").submodule_search_locations[0],
                                "tf_keras", "optimizer.py").read_text()
@@ -800,9 +799,9 @@ print("then super().apply_gradients: grads = self._clip_gradients(grads)")
 # In the question's code the fix replaces one line: where the question calls
 # `get_patched_optimizer(optimizer, n, ...)`, wrap the optimizer instead, before
 # `model.compile`. The program below fits the question's model — its own `train_step`,
-# `distgrad.pitfalls.legacy_loss_scale.QuestionModel`, shown in lesson 04, here in
+# `distgrad_course.pitfalls.legacy_loss_scale.QuestionModel`, shown in lesson 04, here in
 # float32 — with k micro-batches on R replicas and with one big batch on one device, for
-# each optimizer of `distgrad.lab.legacy_fit.OPTIMIZERS`. It is written to a file and run
+# each optimizer of `distgrad_course.lab.legacy_fit.OPTIMIZERS`. It is written to a file and run
 # in a child process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts):
 
 # %%
@@ -813,10 +812,10 @@ program_folder = tempfile.mkdtemp(prefix="lesson03-tf-keras-")
 import numpy as np
 import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
 
-from distgrad.lab.legacy import legacy_strategy
-from distgrad.lab.legacy_fit import OPTIMIZERS, weights
-from distgrad.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
 from distgrad.tf_keras import AccumulatingOptimizer
+from distgrad_course.lab.legacy import legacy_strategy
+from distgrad_course.lab.legacy_fit import OPTIMIZERS, weights
+from distgrad_course.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
 
 
 def fit_both_ways(replicas, x, y, micro_batch, n):

@@ -44,13 +44,14 @@
 import tensorflow as tf
 
 import distgrad
-from distgrad.lab.display import show_code, show_environment, show_table
+import distgrad_course
+from distgrad_course.lab.display import show_code, show_environment, show_table
 
-strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
+strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson needs several replicas: set DISTGRAD_REPLICAS >= 2"
 tf.get_logger().setLevel("ERROR")  # no INFO lines; the cells below retrace on purpose
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 
 # %% [markdown]
 # ## 1 · The fix
@@ -61,8 +62,6 @@ show_environment(distgrad.environment_report(strategy))
 import keras
 import numpy as np
 import tensorflow as tf
-
-import distgrad  # the fix: AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(...))
 
 # Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -146,13 +145,13 @@ import matplotlib.pyplot as plt
 from IPython.display import Code, display
 from keras.src.optimizers import loss_scale_optimizer
 
-from distgrad.lab import mixed  # the lesson's data and model.fit runs (not for your code)
-from distgrad.pitfalls import lso_first_replica_finite as first_replica
+from distgrad_course.lab import mixed  # the lesson's data and model.fit runs (not for your code)
+from distgrad_course.pitfalls import lso_first_replica_finite as first_replica
 
 keras.mixed_precision.set_global_policy("float32")  # the fix cell's; the runs below set theirs
 mb = 4 * R  # the global micro-batch of the runs below (`strategy`: the fix cell's)
 x8, y8 = mixed.overflow_data(8, mb, None, R)
-one_device = distgrad.make_strategy(1)
+one_device = distgrad_course.make_strategy(1)
 with warnings.catch_warnings(record=True) as told:
     warnings.simplefilter("always")
     alone = mixed.mixed_precision_fit(one_device, x8, y8, mb, 2, initial_scale=None)
@@ -222,8 +221,8 @@ display(show_code(first_replica.reproduce))
 
 # %%
 from distgrad import non_finite
-from distgrad.lab.compare import OPTIMIZERS, check_close, check_not_close
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, check_not_close
 
 ours = inspect.getsource(AllReplicasFiniteLossScaleOptimizer._tf_apply)
 start, end = ours.index("        def _handle_cross_replica"), ours.index("            def apply_fn")
@@ -408,8 +407,8 @@ show_table(["8 micro-batches, k = 2", "vs 4 big-batch steps", "iterations"], row
 # every n-th call, else 0) and resets with `accumulated * keep` (keep = 1 - apply).
 
 # %%
-from distgrad.pitfalls import loss_scale_patch as lsp
-from distgrad.pitfalls.mask_trick import QuestionMaskPatch
+from distgrad_course.pitfalls import loss_scale_patch as lsp
+from distgrad_course.pitfalls.mask_trick import QuestionMaskPatch
 
 C = mixed.CONTROLLED_INITIAL_SCALE
 print(f"default initial loss scale S = {S:g}, controlled C = {C:g}")
@@ -443,7 +442,7 @@ keras.mixed_precision.set_global_policy("float32")  # the runs below set their o
 
 
 # %% [markdown]
-# The `lsp` functions below (`distgrad.pitfalls.loss_scale_patch`) take it as `install=`:
+# The `lsp` functions below (`distgrad_course.pitfalls.loss_scale_patch`) take it as `install=`:
 # they build a tiny model and `LossScaleOptimizer(SGD)` under the strategy scope, call it,
 # compile, and run `model.fit` under `mixed_float16`.
 #
@@ -629,16 +628,16 @@ print(f"the question's patch on the wrapper vs big batch: {patch_diff.max_abs:.1
 #
 # The user wrote Keras 2 code: a custom `train_step` with `get_scaled_loss` /
 # `get_unscaled_gradients` and the era's `OptimizerV2` (`tf.keras.optimizers.legacy.SGD`).
-# `distgrad/pitfalls/legacy_loss_scale.py` holds it (the question's `train_step`, reduced
+# `distgrad_course/pitfalls/legacy_loss_scale.py` holds it (the question's `train_step`, reduced
 # to a tiny model) and the question's patch for tf-keras; it is imported only in a child
-# process where `distgrad.lab.legacy.run_legacy` sets `TF_USE_LEGACY_KERAS=1` before
+# process where `distgrad_course.lab.legacy.run_legacy` sets `TF_USE_LEGACY_KERAS=1` before
 # TensorFlow is imported:
 
 # %%
 import importlib.util
 import pathlib
 
-pitfalls_folder = importlib.util.find_spec("distgrad.pitfalls").submodule_search_locations[0]
+pitfalls_folder = importlib.util.find_spec("distgrad_course.pitfalls").submodule_search_locations[0]
 legacy_file = pathlib.Path(pitfalls_folder, "legacy_loss_scale.py").read_text()
 start = legacy_file.index("    def train_step(self, data):")
 display(Code(legacy_file[start:legacy_file.index("\n\n", start)], language="python"))
@@ -779,13 +778,13 @@ assert "loss = self.optimizer.get_scaled_loss(model_loss)" in legacy_file
 # and halves the scale once. The program below is the question's set-up in the fixed
 # order, with the question's `train_step`. It is written to a file and run in a child
 # process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts);
-# `distgrad.lab.legacy_fit` supplies the `fit` recipes and reads the counters after every
+# `distgrad_course.lab.legacy_fit` supplies the `fit` recipes and reads the counters after every
 # micro-batch.
 
 # %%
 import tempfile
 
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab.legacy import run_legacy
 
 program_folder = tempfile.mkdtemp(prefix="lesson04-tf-keras-")
 
@@ -793,10 +792,10 @@ program_folder = tempfile.mkdtemp(prefix="lesson04-tf-keras-")
 # %%writefile {program_folder}/question_fix.py
 import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
 
-from distgrad.lab.legacy import legacy_strategy
-from distgrad.lab.legacy_fit import big_batch_fit, fit, policy, weights
-from distgrad.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
 from distgrad.tf_keras import AccumulatingOptimizer
+from distgrad_course.lab.legacy import legacy_strategy
+from distgrad_course.lab.legacy_fit import big_batch_fit, fit, policy, weights
+from distgrad_course.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
 
 
 def build_optimizer(grad_acc_n, initial_scale):

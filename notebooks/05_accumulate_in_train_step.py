@@ -36,14 +36,15 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # for the memory deep dive'
 import tensorflow as tf
 
 import distgrad
-from distgrad.lab.display import show_code, show_environment, show_table
+import distgrad_course
+from distgrad_course.lab.display import show_code, show_environment, show_table
 
 tf.get_logger().setLevel("ERROR")  # fresh models retrace on purpose; silence the notes
 
-strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
+strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "this lesson compares R >= 2 replicas with one device: set DISTGRAD_REPLICAS"
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 
 # %% [markdown]
 # ## 1 · The fix
@@ -147,7 +148,7 @@ print("two outputs, sample weights: weights and losses equal one device, big bat
 # %%
 from IPython.display import display
 
-from distgrad.pitfalls import compound_assignment
+from distgrad_course.pitfalls import compound_assignment
 
 display(show_code(compound_assignment.compound_body), show_code(compound_assignment.returned_body))
 
@@ -180,8 +181,8 @@ assert in_fit.vs_first_micro_batch.within() and not in_fit.vs_full_batch.within(
 # %%
 import warnings
 
-from distgrad.lab.compare import check_close, weight_diff, weights_of
-from distgrad.lab.data import regression_data, tiny_model
+from distgrad_course.lab.compare import check_close, weight_diff, weights_of
+from distgrad_course.lab.data import regression_data, tiny_model
 
 tf.get_logger().setLevel("ERROR")  # fresh models retrace on purpose; silence the notes
 
@@ -425,7 +426,7 @@ assert default_parallel == 10
 # per replica, and those inside a loop body (they would run k times):
 
 # %%
-from distgrad.lab.graph import fit_step_placement
+from distgrad_course.lab.graph import fit_step_placement
 
 R = strategy.num_replicas_in_sync  # from here on the fix cell's strategy is the lesson's
 ours = fit_step_placement(model, x, targets, GLOBAL_BATCH)
@@ -440,7 +441,7 @@ assert ours.all_reduces == 1 and ours.in_while_bodies == 0 and ours.while_loops 
 # included) to `placement_of_graph`:
 
 # %%
-from distgrad.lab.graph import placement_of_graph
+from distgrad_course.lab.graph import placement_of_graph
 
 display(show_code(fit_step_placement), show_code(placement_of_graph))
 
@@ -794,7 +795,7 @@ assert (guarded_counts.all_reduces, guarded_counts.in_while_bodies) == (1, 0)
 # %%
 import matplotlib.pyplot as plt
 
-from distgrad.lab.memory import (
+from distgrad_course.lab.memory import (
     allocator_counts,
     allocator_device,
     fresh_process_step_memory,
@@ -880,7 +881,7 @@ plt.show()
 # imports, `scale_loss`, `super()`), keeping its logic:
 
 # %%
-from distgrad.pitfalls import final_solution
+from distgrad_course.pitfalls import final_solution
 
 show_code(final_solution.QuestionFinalSolutionModel)
 
@@ -968,7 +969,7 @@ assert abs(audit.two_replica_update_ratio - 1 / audit.replicas_of_model) < 1e-6
 # on the lesson's strategy against plain Keras on one device.
 
 # %%
-from distgrad.lab.data import classifier_model
+from distgrad_course.lab.data import classifier_model
 
 labels = (x_reg[:, 0] > 0).astype("int32") + (x_reg[:, 1] > 0).astype("int32")  # 3 classes
 

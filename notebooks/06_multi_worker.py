@@ -32,21 +32,22 @@
 
 # %%
 import distgrad
+import distgrad_course
 
-strategy = distgrad.make_strategy(1)  # this process only starts the workers and checks them
+strategy = distgrad_course.make_strategy(1)  # this process only starts the workers and checks them
 
 import os
 import tempfile
 
 import tensorflow as tf
 
-from distgrad.lab import workers
-from distgrad.lab.compare import check_close
-from distgrad.lab.display import show_code, show_environment, show_table
-from distgrad.lab.multiworker import run_workers
+from distgrad_course.lab import workers
+from distgrad_course.lab.compare import check_close
+from distgrad_course.lab.display import show_code, show_environment, show_table
+from distgrad_course.lab.multiworker import run_workers
 
 tf.get_logger().setLevel("ERROR")  # section 1 creates a second strategy here, on purpose
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 WORKERS = 2
 
 # %% [markdown]
@@ -143,7 +144,7 @@ print(f"{int(optimizer.iterations.numpy())} updates on {strategy.num_replicas_in
 #
 # The fix cell, exactly as it ran, written to a file and started on two worker processes
 # of this machine: `run_workers` gives each its `TF_CONFIG` (two free ports on localhost),
-# runs the file in each (`distgrad.lab.workers.run_script`, below) and returns the weights.
+# runs the file in each (`distgrad_course.lab.workers.run_script`, below) and returns the weights.
 
 # %%
 # The run above had no TF_CONFIG: a cluster of one worker, this process.
@@ -151,7 +152,7 @@ assert "TF_CONFIG" not in os.environ and not strategy.cluster_resolver.cluster_s
 path = os.path.join(tempfile.mkdtemp(prefix="distgrad-worker-"), "worker.py")
 with open(path, "w") as file:  # the fix cell as it ran: IPython keeps each cell run in `In`
     file.write(next(cell for cell in reversed(In) if cell.startswith("# worker.py")))  # noqa: F821
-runs = run_workers("distgrad.lab.workers:run_script", WORKERS, timeout=240, path=path)
+runs = run_workers("distgrad_course.lab.workers:run_script", WORKERS, timeout=240, path=path)
 assert all(r.ok for r in runs), [r.stderr_tail for r in runs]
 diffs = [check_close(r.value["weights"], one_device.get_weights()).max_abs for r in runs]
 show_table(["worker", "task", "replicas", "updates", "max abs diff vs 1 device"],
@@ -192,7 +193,7 @@ show_code(workers.run_script)
 # %%
 rows = []
 for recipe in ("GradientAccumulator", "AccumulatingOptimizer"):
-    runs = run_workers("distgrad.lab.workers:accumulated_equivalence", WORKERS, timeout=240,
+    runs = run_workers("distgrad_course.lab.workers:accumulated_equivalence", WORKERS, timeout=240,
                        recipe="accumulator" if recipe == "GradientAccumulator" else "optimizer",
                        optimizer="adam", accumulation_steps=2, updates=2)
     for index, r in enumerate(runs):
@@ -255,7 +256,7 @@ def fit_on_worker(task_index, num_workers, variants, checkpoint_dir):
     import keras
 
     from distgrad import AccumulatingOptimizer, MicroBatching, MultiWorkerFit, MultiWorkerFitModel
-    from distgrad.lab.data import regression_data, tiny_model
+    from distgrad_course.lab.data import regression_data, tiny_model
 
     keras.config.disable_traceback_filtering()  # keep Keras' own frames in tracebacks
 
@@ -322,8 +323,8 @@ for index, r in enumerate(results):
 import fit_worker  # the module written above
 import keras
 
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.recipes import fit_run
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.recipes import fit_run
 
 x_fit, y_fit = regression_data(2 * fit_worker.GLOBAL_BATCH)
 fit_reference = fit_run(None, lambda: keras.optimizers.Adam(0.01), x_fit, y_fit,
@@ -478,7 +479,7 @@ show_code(distgrad.MultiWorkerFit._reducible)
 # %%
 import json
 
-from distgrad.lab.multiworker import free_ports, tf_config, visible_gpus, worker_devices
+from distgrad_course.lab.multiworker import free_ports, tf_config, visible_gpus, worker_devices
 
 ports = free_ports(WORKERS)
 configs = [{"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
@@ -497,7 +498,7 @@ Code("\n".join(f"# worker {index}\n"
 # (`worker_devices`). A worker that runs one eager op before creating the strategy gets:
 
 # %%
-(late,) = run_workers("distgrad.lab.workers:strategy_after_runtime_start", 1, timeout=120)
+(late,) = run_workers("distgrad_course.lab.workers:strategy_after_runtime_start", 1, timeout=120)
 print(late.value["error"])
 assert late.value["error"] == {"type": "RuntimeError",
                                "message": "Collective ops must be configured at program startup"}
@@ -508,7 +509,7 @@ assert late.value["error"] == {"type": "RuntimeError",
 # `tensorflow/python/distribute/collective_all_reduce_strategy.py`): that is why section 1
 # could run the fix in this notebook's process.
 #
-# `distgrad.lab.workers.train_on_worker`, the replica step of lesson 01 with no
+# `distgrad_course.lab.workers.train_on_worker`, the replica step of lesson 01 with no
 # accumulation, reports what each worker read and traced: its `TF_CONFIG`, the strategy's
 # view of it, the collective ops of one step. Its input comes from
 # `distribute_datasets_from_function`, which calls `dataset_fn` once per worker with an
@@ -516,13 +517,13 @@ assert late.value["error"] == {"type": "RuntimeError",
 # size): the other way to give each worker its shard. Three Adam steps:
 
 # %%
-from distgrad.lab.compare import OPTIMIZERS
-from distgrad.lab.recipes import big_batch_reference
+from distgrad_course.lab.compare import OPTIMIZERS
+from distgrad_course.lab.recipes import big_batch_reference
 
 show_code(workers.train_on_worker)
 
 # %%
-results_tow = run_workers("distgrad.lab.workers:train_on_worker", WORKERS, timeout=240,
+results_tow = run_workers("distgrad_course.lab.workers:train_on_worker", WORKERS, timeout=240,
                           optimizer="adam", steps=3)
 for r in results_tow:
     assert r.ok, r.stderr_tail
@@ -569,7 +570,7 @@ assert all(r.value["supports_no_merge_call"] is False for r in results_tow)
 
 # %%
 chief_dir = tempfile.mkdtemp(prefix="distgrad-chief-")
-chief, other = run_workers("distgrad.lab.workers:checkpoint_from_chief", WORKERS, timeout=240,
+chief, other = run_workers("distgrad_course.lab.workers:checkpoint_from_chief", WORKERS, timeout=240,
                            directory=chief_dir, steps=2)
 assert chief.ok and other.ok and chief.value["is_chief"] and other.value["path"] is None
 assert chief.value["path"].startswith(os.path.join(chief_dir, "ckpt"))
@@ -578,7 +579,7 @@ restored, restored_optimizer = tiny_model(), keras.optimizers.SGD(0.1)
 restored_optimizer.build(restored.trainable_variables)
 tf.train.Checkpoint(model=restored, optimizer=restored_optimizer).restore(
     chief.value["path"]).assert_consumed()
-from distgrad.lab.compare import weights_of
+from distgrad_course.lab.compare import weights_of
 
 restored_diff = check_close(weights_of(restored), big_batch_reference(
     lambda: keras.optimizers.SGD(0.1), x16, y16, steps=2))
@@ -612,7 +613,7 @@ print(f"chief's {os.path.basename(chief_file)}, restored on one device: max abs 
 # sooner).
 
 # %%
-survivor, dead = run_workers("distgrad.lab.workers:dead_worker", WORKERS, timeout=120,
+survivor, dead = run_workers("distgrad_course.lab.workers:dead_worker", WORKERS, timeout=120,
                              collective_timeout=10.0)
 reason = [line.strip() for line in survivor.value["error"]["message"].splitlines()
           if line.strip() and not line.strip().startswith(("File", '"'))
@@ -658,9 +659,9 @@ assert lines[-2].startswith("    if step % K:  # the epoch's leftover micro-batc
 no_leftover = os.path.join(os.path.dirname(path), "no_leftover.py")
 with open(no_leftover, "w") as file:
     file.write("".join(lines[:-2]))  # without the last two lines
-(alone,) = run_workers("distgrad.lab.workers:run_script", 1, timeout=240, path=no_leftover)
+(alone,) = run_workers("distgrad_course.lab.workers:run_script", 1, timeout=240, path=no_leftover)
 assert alone.ok, alone.stderr_tail
-from distgrad.lab.compare import check_not_close
+from distgrad_course.lab.compare import check_not_close
 
 missed = check_not_close(alone.value["weights"], one_device.get_weights())
 print(f"updates: {alone.value['updates']}; max abs diff vs one device's fit {missed.max_abs:.1e}")
@@ -669,7 +670,7 @@ assert alone.value["updates"] == 4
 # %% [markdown]
 # ### Exercise 2 · Three workers
 #
-# Start the fix on three workers: `run_workers("distgrad.lab.workers:run_script", 3,
+# Start the fix on three workers: `run_workers("distgrad_course.lab.workers:run_script", 3,
 # path=path)`. A micro-batch of 8 examples does not split evenly over three replicas. Does
 # every worker still equal one device?
 
@@ -681,7 +682,7 @@ assert alone.value["updates"] == 4
 # examples.
 
 # %%
-three = run_workers("distgrad.lab.workers:run_script", 3, timeout=240, path=path)
+three = run_workers("distgrad_course.lab.workers:run_script", 3, timeout=240, path=path)
 for r in three:
     assert r.ok, r.stderr_tail
     assert r.value["replicas"] == 3 * len(r.value["local_devices"])

@@ -29,15 +29,15 @@
 # differently from their sum. Each is shown in a deep dive below.
 
 # %%
-import distgrad
+import distgrad_course
 
-strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
+strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "the fix and the deep dives compare R >= 2 replicas with one device"
 
-from distgrad.lab.display import show_code, show_environment, show_table
+from distgrad_course.lab.display import show_code, show_environment, show_table
 
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 
 # %%
 import tensorflow as tf
@@ -156,7 +156,7 @@ print(f"{strategy.num_replicas_in_sync} replicas, token-weighted: equal to one d
 # choices on one batch of padded sequences, gradients against the big batch's:
 
 # %%
-from distgrad.pitfalls import mean_of_means
+from distgrad_course.pitfalls import mean_of_means
 
 R = strategy.num_replicas_in_sync  # from here on the fix's strategy: no second set of collectives
 uneven = mean_of_means.reproduce(micro_batches=2, strategy=strategy)
@@ -250,7 +250,7 @@ show_code(global_token_count)
 # is exact.
 
 # %%
-from distgrad.pitfalls import batchnorm_statistics
+from distgrad_course.pitfalls import batchnorm_statistics
 
 bn = batchnorm_statistics.reproduce(strategy, micro_batches=2)
 scale = bn.one_device_update_max_abs
@@ -362,7 +362,7 @@ assert dropout_rows[1][1] <= 1e-6  # dropout off: it is
 # (two Adam steps on one embedding table, `sparse_duplicates.reproduce`):
 
 # %%
-from distgrad.pitfalls import sparse_duplicates
+from distgrad_course.pitfalls import sparse_duplicates
 
 adam_sparse = sparse_duplicates.reproduce(tokens=(1, 1, 2))
 adam_unique = sparse_duplicates.reproduce(tokens=(1, 2, 3))
@@ -463,7 +463,7 @@ np.testing.assert_array_equal(tf.convert_to_tensor(unique),
 # optimizer is evaluated at the inner `iterations`, which counts *updates*.
 
 # %%
-from distgrad.pitfalls import clip_per_micro_batch
+from distgrad_course.pitfalls import clip_per_micro_batch
 
 clipping = clip_per_micro_batch.reproduce(strategy)
 update_scale = clipping.big_batch_update_max_abs

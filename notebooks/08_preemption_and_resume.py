@@ -36,15 +36,15 @@
 # `PreemptionCheckpointHandler` on several workers (deep dive).
 
 # %%
-import distgrad
+import distgrad_course
 
-strategy = distgrad.make_strategy()  # first: logical devices must exist before TF starts
+strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
 R = strategy.num_replicas_in_sync
 assert R >= 2, "the fix and the deep dives compare R >= 2 replicas with one device"
 
-from distgrad.lab.display import show_code, show_environment, show_table
+from distgrad_course.lab.display import show_code, show_environment, show_table
 
-show_environment(distgrad.environment_report(strategy))
+show_environment(distgrad_course.environment_report(strategy))
 
 # %%
 import json
@@ -141,14 +141,14 @@ print(f"{strategy.num_replicas_in_sync} replicas, preempted and resumed: equal t
 # The same kind of job, with plain Adam (no accumulation), interrupted after 7 batches
 # of 16, with a backup every 3 batches: once with Keras 3's callback, once with distgrad's.
 # A recorder notes, for each batch of the restarted `fit`, whether a train step ran on it
-# (the optimizer's step count went up) or not (`distgrad.lab.backup.timeline`;
-# `distgrad.pitfalls.backup_replays_epoch` runs both):
+# (the optimizer's step count went up) or not (`distgrad_course.lab.backup.timeline`;
+# `distgrad_course.pitfalls.backup_replays_epoch` runs both):
 
 # %%
 import matplotlib.pyplot as plt
 
-from distgrad.lab import backup
-from distgrad.pitfalls import backup_replays_epoch
+from distgrad_course.lab import backup
+from distgrad_course.pitfalls import backup_replays_epoch
 
 work = tempfile.mkdtemp()
 replay = backup_replays_epoch.reproduce(strategy, cut=7, save_freq=3, directory=work)
@@ -302,17 +302,17 @@ show_code(keras.callbacks.BackupAndRestore._load_model)
 # %%
 import time
 
-from distgrad.lab.multiworker import run_workers
+from distgrad_course.lab.multiworker import run_workers
 
 shared = os.path.join(work, "cluster")
 started = time.monotonic()
-first = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
+first = run_workers("distgrad_course.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
                     save_freq=3, collective_timeout=15, kill_after=10)
 failed_after = time.monotonic() - started
 left_behind = sorted(os.listdir(shared))  # the chief's files only
 with open(os.path.join(shared, "training_metadata.json")) as file:
     at_restart = json.load(file)
-second = run_workers("distgrad.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
+second = run_workers("distgrad_course.lab.backup:fit_on_worker", 2, timeout=240, backup_dir=shared,
                      save_freq=3, collective_timeout=15)
 uninterrupted = backup.one_fit(strategy, os.path.join(work, "reference"))
 show_table(["run", "worker 0", "worker 1"], [
@@ -342,10 +342,10 @@ print(f"both workers after the restart equal the uninterrupted run on {R} local 
 # on TensorFlow 2.21:
 
 # %%
-from distgrad.lab import preemption
-from distgrad.lab.child import run_child
+from distgrad_course.lab import preemption
+from distgrad_course.lab.child import run_child
 
-iterators = run_child("distgrad.lab.preemption:iterator_checkpointability", {"replicas": R}).value
+iterators = run_child("distgrad_course.lab.preemption:iterator_checkpointability", {"replicas": R}).value
 show_table(["iterator", "tf.train.Checkpoint(iterator=...)"], [
     (name, "accepted" if error is None else f"{error['type']}: not trackable")
     for name, error in iterators.items()])
@@ -449,7 +449,7 @@ cluster_reference = preemption.uninterrupted_cluster()["weights"]
 # In a process of its own: the pipeline's shuffle seeds depend on TensorFlow's global seed,
 # which the fix cell set here (keras.utils.set_random_seed) and the workers do not.
 one_device_reference = [np.asarray(w) for w in run_child(
-    "distgrad.lab.preemption:reference_weights").value]
+    "distgrad_course.lab.preemption:reference_weights").value]
 faults = {kind: preemption.preemption_experiment(kind, uninterrupted=cluster_reference,
                                                  reference=one_device_reference)
           for kind in ("SIGTERM", "SIGKILL", "SIGTERM_without_sync")}
@@ -491,15 +491,15 @@ print("SIGTERM and SIGKILL mid-cycle: resumed equal to the uninterrupted run and
 # starts the epoch's step count there. But `DataHandler.enumerate_epochs` makes a fresh
 # iterator, and each step takes its next batch: the resumed steps train the epoch's
 # *first* batches. To see which batch a step trains, batch k holds x = k + 1 and each SGD
-# step adds its batch's x to a single weight w (`distgrad.lab.legacy_backup`). Interrupted
+# step adds its batch's x to a single weight w (`distgrad_course.lab.legacy_backup`). Interrupted
 # after batch 6 of 16, backups every 3 batches:
 
 # %%
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab.legacy import run_legacy
 
-legacy = {data: run_legacy("distgrad.lab.legacy_backup:trained_batches", replicas=R,
+legacy = {data: run_legacy("distgrad_course.lab.legacy_backup:trained_batches", replicas=R,
                            data=data).value for data in ("arrays", "dataset")}
-keras3 = run_child("distgrad.lab.legacy_backup:trained_batches",  # Keras 3, its own process
+keras3 = run_child("distgrad_course.lab.legacy_backup:trained_batches",  # Keras 3, its own process
                    {"replicas": R, "data": "arrays"}).value
 show_table(["Keras", "data", "batches the restart trained", "updates", "w (uninterrupted 72)"], [
     (runs["keras"], data, str(runs["resumed"]["batches"]), runs["resumed"]["updates"],

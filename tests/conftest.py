@@ -1,7 +1,7 @@
 """Shared fixtures. The test process gets 2 logical CPU devices before TensorFlow
 initializes, so one process serves 1- and 2-replica tests; tests that need a fresh
 runtime (other device counts, call-order errors) call a function of a real module in a
-child (`distgrad.lab.child.run_child`; test-only targets are in `workers_for_tests`)."""
+child (`distgrad_course.lab.child.run_child`; test-only targets are in `workers_for_tests`)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ def pytest_configure(config):
     # The pytest-xdist controller runs no test: importing TensorFlow there held up the
     # start of the workers by 5 s and the end of the session by 1-2 s (measured).
     if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no":
-        from distgrad.devices import replica_devices
+        from distgrad_course.devices import replica_devices
 
         replica_devices(MAX_REPLICAS)
 
 
 def _strategy(replicas):
-    from distgrad import make_strategy
+    from distgrad_course import make_strategy
 
     return make_strategy(replicas)
 

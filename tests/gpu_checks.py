@@ -1,4 +1,4 @@
-"""GPU-only checks: what the CPU simulation (`distgrad.lab.xla_path`) cannot show.
+"""GPU-only checks: what the CPU simulation (`distgrad_course.lab.xla_path`) cannot show.
 
 Run by `make gpu-check` on a machine with GPUs, never by `make test` (pytest collects
 `test_*.py` only). Without a GPU every check fails: none is skipped. Each check writes
@@ -25,7 +25,8 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import distgrad
+
+import distgrad_course
 
 REPORT_DIR = pathlib.Path(os.environ.get("DISTGRAD_GPU_CHECK_DIR", "build/gpu-check"))
 K, MICRO, UPDATES = 2, 8, 3  # MICRO: the global micro-batch, divisible by 2 and 4 replicas
@@ -39,23 +40,23 @@ def strategy():
     gpus = tf.config.list_physical_devices("GPU")
     assert gpus, ("make gpu-check needs a GPU that TensorFlow sees: install "
                   "tensorflow[and-cuda] (docs/guides/gpu.md); these checks never skip.")
-    strategy = distgrad.make_strategy()
+    strategy = distgrad_course.make_strategy()
     assert strategy.num_replicas_in_sync >= 2, "set DISTGRAD_REPLICAS >= 2"
-    RESULTS["environment"] = distgrad.environment_report(strategy)
+    RESULTS["environment"] = distgrad_course.environment_report(strategy)
     yield strategy
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     (REPORT_DIR / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
 
 
 def _data(updates=UPDATES):
-    from distgrad.lab.data import regression_data
+    from distgrad_course.lab.data import regression_data
 
     return regression_data(MICRO * K * updates)
 
 
 def _big_batch(name):
-    from distgrad.lab.compare import OPTIMIZERS
-    from distgrad.lab.recipes import fit_run
+    from distgrad_course.lab.compare import OPTIMIZERS
+    from distgrad_course.lab.recipes import fit_run
 
     x, y = _data()
     return fit_run(None, OPTIMIZERS[name], x, y, MICRO * K, jit_compile=False).final
@@ -69,8 +70,8 @@ def _skipping(name, accumulation_steps=1):
     """`name`'s optimizer in an `AccumulatingOptimizer` with `non_finite="skip"`: on the
     no-merge-call path the only way to skip a non-finite update (and "raise" cannot raise
     in a compiled step), which `MicroBatching` defers to."""
-    from distgrad.lab.compare import OPTIMIZERS
     from distgrad.optimizer import AccumulatingOptimizer
+    from distgrad_course.lab.compare import OPTIMIZERS
 
     return lambda: AccumulatingOptimizer(OPTIMIZERS[name](), accumulation_steps,
                                          non_finite="skip")
@@ -93,8 +94,8 @@ def test_a_compiled_step_takes_the_no_merge_call_path(strategy):
 
 @pytest.mark.parametrize("name", ["momentum", "adam"])
 def test_accumulating_optimizer_in_compiled_fit_equals_big_batch(strategy, name):
-    from distgrad.lab.compare import check_close, weight_diff
-    from distgrad.lab.recipes import fit_run
+    from distgrad_course.lab.compare import check_close, weight_diff
+    from distgrad_course.lab.recipes import fit_run
 
     x, y = _data()
     run = fit_run(strategy, _skipping(name, K), x, y, MICRO, jit_compile=True)
@@ -106,10 +107,10 @@ def test_accumulating_optimizer_in_compiled_fit_equals_big_batch(strategy, name)
 
 
 def test_micro_batching_in_compiled_fit_equals_big_batch(strategy):
-    from distgrad.lab.compare import check_close, weight_diff
-    from distgrad.lab.data import tiny_model
-    from distgrad.lab.recipes import fit_run
     from distgrad.train_step import with_micro_batches
+    from distgrad_course.lab.compare import check_close, weight_diff
+    from distgrad_course.lab.data import tiny_model
+    from distgrad_course.lab.recipes import fit_run
 
     x, y = _data()
     run = fit_run(strategy, _skipping("adam"), x, y, MICRO * K, jit_compile=True,
@@ -124,9 +125,9 @@ def test_micro_batching_in_compiled_fit_equals_big_batch(strategy):
 def test_accumulating_optimizer_in_a_compiled_custom_loop_equals_big_batch(strategy):
     import tensorflow as tf
 
-    from distgrad.lab.compare import check_close, weight_diff, weights_of
-    from distgrad.lab.data import tiny_model
-    from distgrad.lab.recipes import make_replica_step
+    from distgrad_course.lab.compare import check_close, weight_diff, weights_of
+    from distgrad_course.lab.data import tiny_model
+    from distgrad_course.lab.recipes import make_replica_step
 
     x, y = _data()
     with strategy.scope():
@@ -151,9 +152,9 @@ def test_accumulating_optimizer_in_a_compiled_custom_loop_equals_big_batch(strat
 
 
 def test_raise_policy_fails_at_the_first_compiled_step_naming_the_fix(strategy):
-    from distgrad.lab.compare import OPTIMIZERS
-    from distgrad.lab.recipes import fit_run
     from distgrad.optimizer import AccumulatingOptimizer
+    from distgrad_course.lab.compare import OPTIMIZERS
+    from distgrad_course.lab.recipes import fit_run
 
     x, y = _data(1)
     with pytest.raises(ValueError, match="non_finite='skip'") as info:
@@ -187,8 +188,8 @@ def test_all_reduces_per_update_in_the_compiled_step(strategy):
 
     import tensorflow as tf
 
-    from distgrad.lab.graph import fit_step_all_reduce_sizes
-    from distgrad.lab.recipes import fit_run
+    from distgrad_course.lab.graph import fit_step_all_reduce_sizes
+    from distgrad_course.lab.recipes import fit_run
 
     x, y = _data(1)
     run = fit_run(strategy, _skipping("adam"), x, y, MICRO, jit_compile=True)
@@ -217,8 +218,8 @@ def test_all_reduces_per_update_in_the_compiled_step(strategy):
 def test_step_memory_on_the_gpu_plain_and_micro_batched(strategy):
     import numpy as np
 
-    from distgrad.lab.memory import measure_step_memory, wide_mlp
-    from distgrad.lab.recipes import fit_run
+    from distgrad_course.lab.memory import measure_step_memory, wide_mlp
+    from distgrad_course.lab.recipes import fit_run
 
     batch, features, hidden = 4096, 512, 2048
     rng = np.random.default_rng(0)

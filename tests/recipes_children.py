@@ -1,6 +1,6 @@
 """The tf-keras program of `tests/test_recipes.py`: the Keras 2 names of the Recipes page's
 loss-scale table (`docs/recipes.md#loss-scale-keras2-keras3`), run in a
-`distgrad.lab.legacy.run_legacy` child (tf-keras, `TF_USE_LEGACY_KERAS=1`)."""
+`distgrad_course.lab.legacy.run_legacy` child (tf-keras, `TF_USE_LEGACY_KERAS=1`)."""
 
 
 def tf_keras_loss_scale(replicas):

@@ -7,14 +7,14 @@ import pytest
 import tensorflow as tf
 
 from distgrad.accumulator import GradientAccumulator
-from distgrad.lab.accumulation import (
+from distgrad_course.lab.accumulation import (
     AccumulatedTrainer,
     full_batch_loss,
     plan_micro_batches,
     train_accumulated,
     update_loss,
 )
-from distgrad.lab.compare import (
+from distgrad_course.lab.compare import (
     OPTIMIZERS,
     check_close,
     check_not_close,
@@ -22,14 +22,14 @@ from distgrad.lab.compare import (
     updates,
     weights_of,
 )
-from distgrad.lab.data import (
+from distgrad_course.lab.data import (
     embedding_model,
     per_example_squared_error,
     regression_data,
     tiny_model,
     token_data,
 )
-from distgrad.lab.recipes import big_batch_reference, dense_gradient_reference
+from distgrad_course.lab.recipes import big_batch_reference, dense_gradient_reference
 
 EXAMPLES = 16
 MODELS = {"mlp": (tiny_model, lambda: regression_data(EXAMPLES)),

@@ -5,7 +5,7 @@ Lesson 08 runs (and asserts) what is not repeated here: the restart of a 2-worke
 after a SIGKILL, the bytes a mid-cycle backup holds, tf-keras' resume on other batches.
 `tests/test_backup_commit.py` kills the process at every file operation of a backup.
 
-The runs (`distgrad.lab.backup`): 2 epochs of 8 global batches of 8 examples, a `tf.data`
+The runs (`distgrad_course.lab.backup`): 2 epochs of 8 global batches of 8 examples, a `tf.data`
 pipeline, 2 replicas (`MirroredStrategy` on logical CPUs, or 2 worker processes);
 "accumulating" is `AccumulatingOptimizer(Adam, 3)`, so a cycle straddles each epoch's end.
 An interruption is `Preempted` raised after `cut` batches (counted across epochs), or a
@@ -27,10 +27,10 @@ import tensorflow as tf
 
 from distgrad.backup_and_restore import BackupAndRestore
 from distgrad.backup_commit import MANIFEST as METADATA_FILE
-from distgrad.lab import backup
-from distgrad.lab.backup import assert_same_run
-from distgrad.lab.child import run_child
-from distgrad.lab.compare import weight_diff
+from distgrad_course.lab import backup
+from distgrad_course.lab.backup import assert_same_run
+from distgrad_course.lab.child import run_child
+from distgrad_course.lab.compare import weight_diff
 
 
 @pytest.fixture(scope="module")
@@ -230,12 +230,12 @@ def test_the_backup_is_deleted_when_fit_ends(strategy2, tmp_path):
 def test_a_fresh_process_killed_mid_cycle_resumes_exactly(references, tmp_path):
     """A real fault: the first process SIGKILLs itself after batch 10 (last backup: 9)."""
     options = {"backup_dir": str(tmp_path), "kind": "accumulating", "save_freq": 3}
-    killed = run_child("distgrad.lab.backup:fit_in_child", {**options, "kill_after": 10},
+    killed = run_child("distgrad_course.lab.backup:fit_in_child", {**options, "kill_after": 10},
                        timeout=240, check=False)
     assert killed.returncode == -9 and not killed.ok
     metadata = json.loads((tmp_path / METADATA_FILE).read_text())
     assert (metadata["epoch"], metadata["batches_done"]) == (1, 1)  # 9 = 8 + 1 batches
-    resumed = run_child("distgrad.lab.backup:fit_in_child", options, timeout=240).value
+    resumed = run_child("distgrad_course.lab.backup:fit_in_child", options, timeout=240).value
     assert_same_run(backup.FitResult(**resumed), references("accumulating", 3))
 
 

@@ -3,7 +3,7 @@ process killed at every file operation of a backup, on 1 worker and on 2, restar
 the uninterrupted run; `double_checkpoint` falls back after a torn write; distgrad 0.2's
 layout still restores.
 
-The emulation (`distgrad.lab.object_store`) patches `tf.io.gfile`: a rename is a copy, then
+The emulation (`distgrad_course.lab.object_store`) patches `tf.io.gfile`: a rename is a copy, then
 a delete, as on GCS and S3, and the process ends with `os._exit` instead of doing the
 chosen operation. The run is the issue's: `AccumulatingOptimizer(Adam, 3)`, 2 epochs of 12
 global batches of 8 examples, `save_freq=1`, 2 replicas (`MirroredStrategy` on logical CPUs,
@@ -17,9 +17,9 @@ import json
 import pytest
 
 from distgrad.backup_commit import LEGACY_FORMAT, LEGACY_WEIGHTS, MANIFEST
-from distgrad.lab import backup, object_store
-from distgrad.lab.backup import assert_same_run
-from distgrad.lab.child import run_child
+from distgrad_course.lab import backup, object_store
+from distgrad_course.lab.backup import assert_same_run
+from distgrad_course.lab.child import run_child
 
 SCENARIO = {"kind": "accumulating", "save_freq": 1, "batches": 12}
 KILLED_AT = 14  # the backup after batch 14: batch 2 of epoch 1, mid-cycle (14 = 4 * 3 + 2)
@@ -54,7 +54,7 @@ def committed_generation(directory) -> int:
 def test_a_process_killed_at_every_operation_of_a_backup_resumes_exactly(
         strategy2, uninterrupted, tmp_path, index):
     directory = tmp_path / "b"
-    killed = run_child("distgrad.lab.object_store:fit_in_child",
+    killed = run_child("distgrad_course.lab.object_store:fit_in_child",
                        {"backup_dir": str(directory), "kill_at": [KILLED_AT, index], **SCENARIO},
                        timeout=240, check=False)
     assert killed.returncode == object_store.KILLED and not killed.ok, killed.stderr_tail

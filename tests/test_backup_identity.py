@@ -4,7 +4,7 @@ replicas, workers) and refuses, before anything trains, a restart whose identity
 by name. The same setup, another replica count with the same global batch, and a backup
 written before these fields, resume exactly. (2 workers to 1: `test_backup_sigterm.py`.)
 
-Runs: `distgrad.lab.backup`'s one-replica `fit` (2 epochs of 8 batches, `save_freq=1`),
+Runs: `distgrad_course.lab.backup`'s one-replica `fit` (2 epochs of 8 batches, `save_freq=1`),
 stopped after 3 batches, then run again.
 """
 
@@ -15,8 +15,8 @@ import json
 import pytest
 
 from distgrad.backup_commit import IDENTITY_FIELDS, MANIFEST
-from distgrad.lab import backup
-from distgrad.lab.backup import assert_same_run
+from distgrad_course.lab import backup
+from distgrad_course.lab.backup import assert_same_run
 
 STOP = 3
 

@@ -3,7 +3,7 @@ TensorFlow can (a `tf.data.Iterator`: one device, no strategy), so that a resume
 the position instead of reading and dropping the batches the backup holds; elsewhere
 (`tf.distribute` iterators, pipelines with state TensorFlow cannot save) it reads them.
 
-Runs: `distgrad.lab.backup`'s (2 epochs of 8 or 12 global batches of 8,
+Runs: `distgrad_course.lab.backup`'s (2 epochs of 8 or 12 global batches of 8,
 `AccumulatingOptimizer(Adam, 3)`), with no strategy, or `MirroredStrategy` on 1 CPU.
 """
 
@@ -15,9 +15,9 @@ import pytest
 import tensorflow as tf
 
 from distgrad.backup_commit import MANIFEST
-from distgrad.lab import backup, object_store
-from distgrad.lab.backup import assert_same_run
-from distgrad.lab.child import run_child
+from distgrad_course.lab import backup, object_store
+from distgrad_course.lab.backup import assert_same_run
+from distgrad_course.lab.child import run_child
 
 NO_STRATEGY = tf.distribute.get_strategy()  # TensorFlow's default: one device
 SCENARIO = {"kind": "accumulating", "save_freq": 1, "batches": 12}
@@ -122,7 +122,7 @@ def test_the_iterator_state_is_committed_with_the_weights(uninterrupted):
 def test_one_device_killed_at_every_operation_of_a_backup_resumes_exactly(
         uninterrupted, tmp_path, index):
     directory = tmp_path / "b"
-    killed = run_child("distgrad.lab.object_store:fit_in_child",
+    killed = run_child("distgrad_course.lab.object_store:fit_in_child",
                        {"backup_dir": str(directory), "kill_at": [KILLED_AT, index],
                         "replicas": 0, **SCENARIO}, timeout=240, check=False)
     assert killed.returncode == object_store.KILLED and not killed.ok, killed.stderr_tail

@@ -2,7 +2,7 @@
 two, and to a one-process `fit`; each finishes the batch, backs up after the same batch on
 every worker, exits with `PREEMPTED_EXIT_CODE`, and the restart equals the uninterrupted run.
 
-The run (`distgrad.lab.backup`): `AccumulatingOptimizer(Adam, 3)`, 2 epochs of 8 global
+The run (`distgrad_course.lab.backup`): `AccumulatingOptimizer(Adam, 3)`, 2 epochs of 8 global
 batches, `save_freq="epoch"` (the default: without the handler a `SIGTERM` loses the
 epoch), 2 replicas (`MirroredStrategy` on logical CPUs, or 2 worker processes). The signal
 is sent by the process to itself (`TermSelf`) at the end of batch 5, after the backup
@@ -20,10 +20,10 @@ import pytest
 
 from distgrad.backup_and_restore import PREEMPTED_EXIT_CODE, BackupAndRestore
 from distgrad.backup_commit import MANIFEST
-from distgrad.lab import backup
-from distgrad.lab.backup import assert_same_run
-from distgrad.lab.multiworker import run_workers
 from distgrad.preemption import SigtermWatch
+from distgrad_course.lab import backup
+from distgrad_course.lab.backup import assert_same_run
+from distgrad_course.lab.multiworker import run_workers
 
 SIGNALLED_AFTER = 5
 SCENARIO = {"kind": "accumulating", "save_freq": "epoch"}
@@ -54,12 +54,12 @@ def test_a_sigterm_to_one_worker_of_two_backs_up_both_after_one_batch_and_resume
     """Worker 1 is signalled after batch 5; at the end of batch 6 it publishes batch 7
     (worker 0 may have started it): both back up after batch 7 and exit with 42."""
     options = {"backup_dir": str(tmp_path), **SCENARIO}
-    stopped = run_workers("distgrad.lab.backup:fit_on_worker", sigterm_after=SIGNALLED_AFTER,
+    stopped = run_workers("distgrad_course.lab.backup:fit_on_worker", sigterm_after=SIGNALLED_AFTER,
                           **options)
     assert [w.returncode for w in stopped] == [PREEMPTED_EXIT_CODE] * 2, stopped[1].stderr_tail
     assert "backed up after batch 7 of epoch 0" in stopped[0].stderr_tail
     assert backed_up(tmp_path) == (0, 7)  # no finished batch lost
-    for worker in run_workers("distgrad.lab.backup:fit_on_worker", **options):
+    for worker in run_workers("distgrad_course.lab.backup:fit_on_worker", **options):
         assert_same_run(backup.FitResult(**worker.check().value), uninterrupted)
 
 
@@ -69,12 +69,12 @@ def test_two_workers_stopped_resume_exactly_on_one_and_refuse_workers_on_their_o
     batch 7, resumed by one process on 1 replica, with the same global batch. Before that,
     a restart whose worker 1 reads its own host's empty directory is refused on both."""
     shared = tmp_path / "shared"
-    stopped = run_workers("distgrad.lab.backup:fit_on_worker", sigterm_after=SIGNALLED_AFTER,
+    stopped = run_workers("distgrad_course.lab.backup:fit_on_worker", sigterm_after=SIGNALLED_AFTER,
                           backup_dir=str(shared), **SCENARIO)
     assert [w.returncode for w in stopped] == [PREEMPTED_EXIT_CODE] * 2, stopped[1].stderr_tail
     manifest = (shared / MANIFEST).read_text()
     assert json.loads(manifest)["workers"] == 2
-    apart = run_workers("distgrad.lab.backup:fit_on_worker", backup_dir=str(shared),
+    apart = run_workers("distgrad_course.lab.backup:fit_on_worker", backup_dir=str(shared),
                         worker_1_backup_dir=str(tmp_path / "worker-1-local"), **SCENARIO)
     for worker in apart:
         assert worker.returncode not in (0, PREEMPTED_EXIT_CODE)

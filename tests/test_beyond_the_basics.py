@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 from distgrad.normalization import count_tokens, token_loss
-from distgrad.pitfalls import batchnorm_statistics, mean_of_means, sparse_duplicates
 from distgrad.sparse import deduplicate, dense_bytes, has_duplicate_indices, sparse_bytes
+from distgrad_course.pitfalls import batchnorm_statistics, mean_of_means, sparse_duplicates
 
 TOL = 1e-6
 
@@ -59,8 +59,8 @@ def test_deduplicate_sums_repeated_rows_and_keeps_the_dense_value():
 
 def test_resume_mid_accumulation_in_a_fresh_process_equals_the_uninterrupted_run(
         strategy2, tmp_path):
-    from distgrad.lab import resume
-    from distgrad.lab.compare import check_close
+    from distgrad_course.lab import resume
+    from distgrad_course.lab.compare import check_close
 
     report = resume.resume_in_fresh_processes(str(tmp_path), replicas=2)
     assert report["first"] == {"iterations": 1, "micro_steps": 6}

@@ -1,4 +1,5 @@
-"""distgrad.lab.child: one function of a real module in a fresh Python, one result protocol."""
+"""distgrad_course.lab.child: one function of a real module in a fresh Python, one result
+protocol."""
 
 import ast
 import json
@@ -10,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from distgrad.lab import child as child_module
-from distgrad.lab import fork_server
-from distgrad.lab.child import Child, ChildError, ChildResult, run_child, to_json
+from distgrad_course.lab import child as child_module
+from distgrad_course.lab import fork_server
+from distgrad_course.lab.child import Child, ChildError, ChildResult, run_child, to_json
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 
@@ -138,7 +139,7 @@ def _imports(module) -> set[str]:
 
 
 def test_the_child_imports_the_fork_server_and_never_the_other_way_round():
-    assert "distgrad.lab.fork_server" in _imports(child_module)
+    assert "distgrad_course.lab.fork_server" in _imports(child_module)
     assert not any(name.startswith("distgrad") for name in _imports(fork_server))
     with open(fork_server.__file__) as f:
         assert "lab.child" not in f.read()  # not named in code or docstrings either
@@ -149,7 +150,7 @@ PROBE = textwrap.dedent("""\
     with open(sys.argv[1], "w") as f:
         json.dump({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(),
                    "path0": sys.path[0],
-                   "child_imported": "distgrad.lab.child" in sys.modules}, f)
+                   "child_imported": "distgrad_course.lab.child" in sys.modules}, f)
     mode = sys.argv[2]
     if mode == "exit":
         sys.exit(int(sys.argv[3]))

@@ -2,9 +2,9 @@ import keras
 import pytest
 import tensorflow as tf
 
-from distgrad.lab.data import regression_data
-from distgrad.lab.graph import CollectiveCount, count_collectives, graph_op_types
-from distgrad.lab.recipes import make_replica_step, run_steps
+from distgrad_course.lab.data import regression_data
+from distgrad_course.lab.graph import CollectiveCount, count_collectives, graph_op_types
+from distgrad_course.lab.recipes import make_replica_step, run_steps
 
 SGD = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
 

@@ -37,8 +37,9 @@ def test_reference_module_imports_only_tensorflow_keras_numpy_and_the_stdlib(nam
             assert node.level == 0, f"{name} has a relative import"
             roots.add(node.module.split(".")[0])
             if name in COPIED_WITH and node.module.startswith("distgrad"):
-                assert node.module == "distgrad", node.module  # from distgrad import <files>
-                assert {alias.name for alias in node.names} <= set(COPIED_WITH[name])
+                companions = {alias.name for alias in node.names} if node.module == "distgrad" \
+                    else {node.module.removeprefix("distgrad.")}  # or distgrad.<file>
+                assert companions <= set(COPIED_WITH[name]), node.module
     companions = COPIED_WITH.get(name, ())
     allowed = ALLOWED | ({"distgrad", *companions} if companions else set())
     assert roots <= allowed, f"{name} imports {sorted(roots - ALLOWED)}"
@@ -100,9 +101,9 @@ def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path)
 
 
 def test_the_copied_tf_keras_file_trains_under_tf_keras_equal_to_big_batch(tmp_path):
-    from distgrad.lab.compare import check_close
-    from distgrad.lab.data import regression_data
-    from distgrad.lab.legacy import run_legacy
+    from distgrad_course.lab.compare import check_close
+    from distgrad_course.lab.data import regression_data
+    from distgrad_course.lab.legacy import run_legacy
 
     shutil.copy(SRC / "tf_keras" / "optimizer.py", tmp_path / "optimizer.py")
     x, y = regression_data(32)
@@ -115,11 +116,24 @@ def test_the_copied_tf_keras_file_trains_under_tf_keras_equal_to_big_batch(tmp_p
                                                                    "optimizer")
 
 
-def test_the_base_install_is_the_reference_package_only():
+def test_the_base_install_is_the_reference_package_only(tmp_path):
+    """`pip install .` installs tensorflow, keras, numpy and the `distgrad` package: its
+    wheel holds the reference classes, none of the course (`distgrad_course`, src/course)."""
+    import zipfile
+
     import tomllib
 
-    project = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())["project"]
+    root = SRC.parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
     assert names == {"tensorflow", "keras", "numpy"}
-    assert {"course", "docs", "test", "legacy", "bench"} <= set(project["optional-dependencies"])
-
+    assert set(project["optional-dependencies"]) == {"docs", "test", "legacy", "bench"}
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+         "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    wheel, = tmp_path.glob("distgrad-*.whl")
+    modules = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    expected = {f"distgrad/{p.relative_to(SRC)}" for p in SRC.rglob("*.py")}
+    assert modules == expected
+    assert not any("lab" in m or "pitfalls" in m or "devices" in m for m in modules)

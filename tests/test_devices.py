@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from distgrad.devices import DevicePlan, environment_report, plan_devices, resolve_replicas
-from distgrad.lab.child import run_child
+from distgrad_course.devices import DevicePlan, environment_report, plan_devices, resolve_replicas
+from distgrad_course.lab.child import run_child
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 
@@ -47,10 +47,10 @@ def test_make_strategy_turns_tensor_float_32_off(strategy2):
 
 
 def test_the_same_devices_give_the_same_strategy(strategy2):
-    import distgrad
+    import distgrad_course
 
-    assert distgrad.make_strategy(2) is strategy2
-    assert distgrad.make_strategy(1) is not strategy2
+    assert distgrad_course.make_strategy(2) is strategy2
+    assert distgrad_course.make_strategy(1) is not strategy2
 
 
 def test_fewer_replicas_than_configured_is_fine(strategy1):
@@ -77,7 +77,7 @@ def test_whole_gpus_grow_their_memory_so_processes_can_share_them(monkeypatch):
     # Simulated: TensorFlow here sees no GPU, so tf.config answers as on a 2-GPU machine.
     import tensorflow as tf
 
-    from distgrad.devices import replica_devices
+    from distgrad_course.devices import replica_devices
 
     gpus = ["GPU:0", "GPU:1"]
     grown = []

@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 from distgrad.callbacks import AccumulationCallback
-from distgrad.lab.compare import OPTIMIZERS, check_close, weights_of
-from distgrad.lab.data import per_example_squared_error, regression_data, tiny_model
-from distgrad.lab.recipes import make_replica_step
 from distgrad.optimizer import AccumulatingOptimizer
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, weights_of
+from distgrad_course.lab.data import per_example_squared_error, regression_data, tiny_model
+from distgrad_course.lab.recipes import make_replica_step
 
 K, MICRO, PER_EPOCH, EPOCHS = 2, 4, 5, 2
 X, Y = regression_data(MICRO * PER_EPOCH)
@@ -148,7 +148,7 @@ def test_the_callback_finds_the_optimizer_inside_a_loss_scale_optimizer_and_need
 
 
 def test_the_three_choices_train_different_weights():
-    from distgrad.lab.compare import check_not_close
+    from distgrad_course.lab.compare import check_not_close
 
     check_not_close(reference("flush"), reference("carry"))
     check_not_close(reference("flush"), reference("discard"))

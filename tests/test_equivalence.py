@@ -2,9 +2,15 @@ import keras
 import numpy as np
 import pytest
 
-from distgrad.lab.compare import check_close, check_not_close, update_ratio, weight_diff, weights_of
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.recipes import big_batch_reference
+from distgrad_course.lab.compare import (
+    check_close,
+    check_not_close,
+    update_ratio,
+    weight_diff,
+    weights_of,
+)
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.recipes import big_batch_reference
 
 
 def test_same_seed_builds_identical_models():

@@ -3,7 +3,7 @@
 A lesson's core shows the fix as one code cell tagged `fix` (jupytext: `# %% tags=["fix"]`)
 and, right after it, a one-device check of at most 10 lines tagged `check`. A reader pastes
 both into a file and runs it: so does this test, in a fresh interpreter, in an empty
-folder, with nothing of the notebook around it (no earlier cell, no `distgrad.lab`).
+folder, with nothing of the notebook around it (no earlier cell, no `distgrad_course.lab`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_the_fix_imports_only_the_stack_and_the_check_is_short(source):
         m
         for m in modules
         if m.split(".")[0] not in ALLOWED_TOP_LEVEL | set(sys.stdlib_module_names)
-        or m.startswith("distgrad.lab")
+        or m.startswith("distgrad_course.lab")
     }
     assert not foreign, f"{source.name}: the fix imports {sorted(foreign)}"
     lines = [s for s in check.splitlines() if s.strip() and not s.strip().startswith("#")]

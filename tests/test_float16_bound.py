@@ -1,4 +1,4 @@
-"""The float16 bound every mixed_float16 comparison uses (distgrad.lab.mixed).
+"""The float16 bound every mixed_float16 comparison uses (distgrad_course.lab.mixed).
 
 Two float16 computations of the same value in different orders (another kernel, another
 summation order, oneDNN's AVX512-FP16 kernels, tensor cores, XLA) agree only up to
@@ -9,7 +9,7 @@ the chain of roundings, so that they hold on any CPU or GPU and still catch a re
 import numpy as np
 import pytest
 
-from distgrad.lab.mixed import (
+from distgrad_course.lab.mixed import (
     FLOAT16_UNIT_ROUNDOFF,
     check_float16_apart,
     check_float16_close,

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 from keras_contract import apply_calls, scope, variable, wrapped
 
-from distgrad.lab.compare import check_close, mirrored_copies_agree
+from distgrad_course.lab.compare import check_close, mirrored_copies_agree
 
 ONES = np.ones((2, 2), "float32")
 V0 = [[1.0, 2.0], [3.0, 4.0]]

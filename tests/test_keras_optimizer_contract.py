@@ -29,8 +29,8 @@ from keras_contract import (
     wrapped,
 )
 
-from distgrad.lab.compare import check_close, check_not_close
 from distgrad.optimizer import AccumulatingOptimizer
+from distgrad_course.lab.compare import check_close, check_not_close
 
 ONES = np.ones((2, 2), "float32")
 V0 = [[1.0, 2.0], [3.0, 4.0]]

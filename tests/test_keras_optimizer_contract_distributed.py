@@ -17,8 +17,8 @@ import pytest
 import tensorflow as tf
 from keras_contract import apply_calls, repeated, variable, wrapped
 
-from distgrad.lab.compare import check_close, mirrored_copies_agree
 from distgrad.optimizer import AccumulatingOptimizer
+from distgrad_course.lab.compare import check_close, mirrored_copies_agree
 
 R = 2
 

@@ -1,13 +1,14 @@
-"""distgrad.lab.legacy: run a function of a real module under tf-keras (Keras 2), in a child."""
+"""distgrad_course.lab.legacy: run a function of a real module under tf-keras (Keras 2), in a
+child."""
 
 import importlib.metadata
 import os
 
 import pytest
 
-from distgrad.lab import legacy
-from distgrad.lab.child import ChildError, run_child
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab import legacy
+from distgrad_course.lab.child import ChildError, run_child
+from distgrad_course.lab.legacy import run_legacy
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 
@@ -78,7 +79,7 @@ def test_missing_tf_keras_says_how_to_install_it(monkeypatch):
 @pytest.mark.skipif(importlib.metadata.version("keras").startswith("2."),
                     reason="TensorFlow 2.15: tf.keras is Keras 2 without the switch")
 def test_legacy_strategy_refuses_to_run_without_the_legacy_switch():
-    result = run_child("distgrad.lab.legacy:legacy_strategy", {"replicas": 1},
+    result = run_child("distgrad_course.lab.legacy:legacy_strategy", {"replicas": 1},
                        env={"TF_USE_LEGACY_KERAS": None}, check=False)
     assert not result.ok
     assert result.error["type"] == "RuntimeError"

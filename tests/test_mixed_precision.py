@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distgrad.lab import mixed
-from distgrad.lab.compare import OPTIMIZERS, check_not_close, weights_of
-from distgrad.lab.data import tiny_model
-from distgrad.lab.mixed import (
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
+from distgrad.optimizer import STOCK_WRAPPER_MESSAGE, AccumulatingOptimizer
+from distgrad_course.lab import mixed
+from distgrad_course.lab.compare import OPTIMIZERS, check_not_close, weights_of
+from distgrad_course.lab.data import tiny_model
+from distgrad_course.lab.mixed import (
     check_float16_apart,
     check_float16_close,
     mixed_precision_fit,
     overflow_data,
 )
-from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
-from distgrad.optimizer import STOCK_WRAPPER_MESSAGE, AccumulatingOptimizer
-from distgrad.pitfalls import loss_scale_patch as lsp
+from distgrad_course.pitfalls import loss_scale_patch as lsp
 
 # Each replica sums 8 examples in float16 in the big batch (2 micro-batches of 4 per replica).
 BIG_BATCH_PER_REPLICA = 8

@@ -12,15 +12,15 @@ import pytest
 import tensorflow as tf
 from workers_for_tests import FIT_EXAMPLES, FIT_GLOBAL_BATCH
 
-from distgrad.lab.compare import OPTIMIZERS, check_close, weights_of
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.multiworker import run_workers
-from distgrad.lab.recipes import fit_run
 from distgrad.multi_worker import (
     MultiWorkerFitModel,
     check_multi_worker_input,
     is_multi_worker,
 )
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, weights_of
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.multiworker import run_workers
+from distgrad_course.lab.recipes import fit_run
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 PER_REPLICA = "(<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor"

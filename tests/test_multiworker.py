@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from distgrad.lab.multiworker import (
+from distgrad_course.lab.multiworker import (
     free_ports,
     run_workers,
     tf_config,
@@ -17,7 +17,7 @@ from distgrad.lab.multiworker import (
     worker_devices,
 )
 
-EXPERIMENTS = "distgrad.lab.workers"
+EXPERIMENTS = "distgrad_course.lab.workers"
 
 
 def test_tf_config_names_every_worker_and_this_task():

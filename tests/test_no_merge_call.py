@@ -1,4 +1,4 @@
-"""TensorFlow's no-merge-call path (XLA on GPUs), simulated on CPUs (distgrad.lab.xla_path).
+"""TensorFlow's no-merge-call path (XLA on GPUs), simulated on CPUs (distgrad_course.lab.xla_path).
 
 Everything here runs on `no_merge_call_strategy`: a CPU MirroredStrategy whose
 `_use_merge_call()` is False, TensorFlow's own test fixture. What the simulation cannot
@@ -13,17 +13,21 @@ import pytest
 import tensorflow as tf
 
 from distgrad.accumulator import GradientAccumulator
-from distgrad.lab.accumulation import AccumulatedTrainer, train_accumulated
-from distgrad.lab.child import run_child
-from distgrad.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weights_of
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import all_reduce_sizes, fit_step_all_reduce_sizes, fit_step_placement
-from distgrad.lab.mixed import mixed_precision_fit, overflow_data
-from distgrad.lab.recipes import big_batch_reference, custom_loop_run, fit_run
-from distgrad.lab.xla_path import no_merge_call_strategy, takes_no_merge_call_path
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.train_step import with_micro_batches
+from distgrad_course.lab.accumulation import AccumulatedTrainer, train_accumulated
+from distgrad_course.lab.child import run_child
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weights_of
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.graph import (
+    all_reduce_sizes,
+    fit_step_all_reduce_sizes,
+    fit_step_placement,
+)
+from distgrad_course.lab.mixed import mixed_precision_fit, overflow_data
+from distgrad_course.lab.recipes import big_batch_reference, custom_loop_run, fit_run
+from distgrad_course.lab.xla_path import no_merge_call_strategy, takes_no_merge_call_path
 
 K, MICRO, UPDATES = 2, 4, 3  # MICRO: the global micro-batch
 PARAMETERS = 4 * 8 + 8 + 8 * 1 + 1  # tiny_model's weights: one packed gradient all-reduce
@@ -187,7 +191,7 @@ def test_keras_loss_scale_optimizer_fails_at_its_first_step_without_merge_call_n
     # the inner update in a replica-context cond, and the inner optimizer's `iterations`
     # (ONLY_FIRST_REPLICA) needs a merge_call there: a trace-time RuntimeError, before
     # any replica could skip alone and leave the other waiting in an all-reduce.
-    record = run_child("distgrad.lab.xla_path:stock_loss_scale_overflow_on_one_replica",
+    record = run_child("distgrad_course.lab.xla_path:stock_loss_scale_overflow_on_one_replica",
                        {"replicas": 2}, timeout=240).value
     assert record["error"]["type"] == "RuntimeError"
     assert "`merge_call` called while defining a new graph" in record["error"]["message"]
@@ -237,7 +241,7 @@ def test_under_xla_raise_fails_at_the_first_step_naming_the_fix():
 def test_xla_cannot_compile_a_two_replica_step_on_cpus_for_any_optimizer():
     # Why the path is simulated: XLA compiles for one device, and a MirroredStrategy step
     # reads variables on two (TF 2.21, CPU). Keras' own Adam, no distgrad involved.
-    error = run_child("distgrad.lab.xla_path:xla_step_on_two_cpu_replicas",
+    error = run_child("distgrad_course.lab.xla_path:xla_step_on_two_cpu_replicas",
                       timeout=240).value["error"]
     assert error["type"] == "InvalidArgumentError"
     assert "Trying to access resource" in error["message"]

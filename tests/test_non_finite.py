@@ -10,24 +10,28 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import distgrad
+import distgrad_course
 from distgrad.accumulator import GradientAccumulator
 from distgrad.callbacks import AccumulationCallback
-from distgrad.lab.accumulation import AccumulatedTrainer
-from distgrad.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weights_of
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.mixed import CONTROLLED_INITIAL_SCALE, mixed_precision_policy, overflow_data
-from distgrad.lab.recipes import fit_run
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
 from distgrad.optimizer import AccumulatingOptimizer
 from distgrad.train_step import MicroBatching, with_micro_batches
+from distgrad_course.lab.accumulation import AccumulatedTrainer
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, mirrored_copies_agree, weights_of
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.mixed import (
+    CONTROLLED_INITIAL_SCALE,
+    mixed_precision_policy,
+    overflow_data,
+)
+from distgrad_course.lab.recipes import fit_run
 
 K, MICRO, UPDATES = 2, 4, 3
 
 
 @pytest.fixture(params=[0, 1, 2], ids=["no_strategy", "R1", "R2"])
 def any_strategy(request):
-    return distgrad.make_strategy(request.param) if request.param else None
+    return distgrad_course.make_strategy(request.param) if request.param else None
 
 
 def replicas_of(strategy):

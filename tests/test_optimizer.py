@@ -8,26 +8,26 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import distgrad
-from distgrad.lab.compare import (
+import distgrad_course
+from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
+from distgrad.optimizer import AccumulatingOptimizer
+from distgrad_course.lab.compare import (
     OPTIMIZERS,
     check_close,
     check_not_close,
     mirrored_copies_agree,
     weights_of,
 )
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.graph import count_collectives, fit_step_placement
-from distgrad.lab.recipes import custom_loop_run, fit_run, make_replica_step
-from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
-from distgrad.optimizer import AccumulatingOptimizer
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.graph import count_collectives, fit_step_placement
+from distgrad_course.lab.recipes import custom_loop_run, fit_run, make_replica_step
 
 STEPS, MICRO_BATCH, UPDATES = 4, 4, 3
 
 
 @pytest.fixture(params=[0, 1, 2], ids=["no_strategy", "R1", "R2"])
 def any_strategy(request):
-    return distgrad.make_strategy(request.param) if request.param else None
+    return distgrad_course.make_strategy(request.param) if request.param else None
 
 
 def data(steps=STEPS, updates=UPDATES):

@@ -6,7 +6,7 @@ another iteration count against the closed form, and bad arguments."""
 
 import pytest
 
-from distgrad.pitfalls import compound_assignment
+from distgrad_course.pitfalls import compound_assignment
 
 
 def expected_after(iterations):

@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 
-import distgrad
-from distgrad.lab.display import statements
-from distgrad.pitfalls import cond_merge_call, mask_trick
+import distgrad_course
+from distgrad_course.lab.display import statements
+from distgrad_course.pitfalls import cond_merge_call, mask_trick
 
 # -- tf.cond around apply_gradients ------------------------------------------------------
 
@@ -56,7 +56,8 @@ STEPS, UPDATES = 4, 3
 
 
 def test_mask_trick_matches_big_batch_for_plain_sgd_on_one_replica():
-    record = mask_trick.reproduce(distgrad.make_strategy(1), "sgd", steps=STEPS, updates=UPDATES)
+    record = mask_trick.reproduce(distgrad_course.make_strategy(1), "sgd", steps=STEPS,
+                                  updates=UPDATES)
     assert record.mask_vs_big_batch.within()
     assert record.mask_iterations == UPDATES * STEPS  # but it counts micro-steps
     assert record.reference_updates == UPDATES
@@ -64,7 +65,7 @@ def test_mask_trick_matches_big_batch_for_plain_sgd_on_one_replica():
 
 def test_mask_trick_rejects_an_unknown_optimizer_name():
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        mask_trick.reproduce(distgrad.make_strategy(1), "rmsprop")
+        mask_trick.reproduce(distgrad_course.make_strategy(1), "rmsprop")
 
 
 # -- comparing two copies of the question's code (lesson 03 compares its class with

@@ -4,11 +4,11 @@ tf-keras), and LossScaleOptimizer's first-replica finiteness check."""
 import keras
 import pytest
 
-from distgrad.lab import mixed
-from distgrad.lab.compare import check_close, weight_diff
-from distgrad.lab.data import tiny_model
-from distgrad.pitfalls import loss_scale_patch as lsp
-from distgrad.pitfalls import lso_first_replica_finite as first_replica
+from distgrad_course.lab import mixed
+from distgrad_course.lab.compare import check_close, weight_diff
+from distgrad_course.lab.data import tiny_model
+from distgrad_course.pitfalls import loss_scale_patch as lsp
+from distgrad_course.pitfalls import lso_first_replica_finite as first_replica
 
 S = mixed.DEFAULT_INITIAL_SCALE  # 2**15, LossScaleOptimizer's default initial scale
 C = mixed.CONTROLLED_INITIAL_SCALE  # where the controlled experiments start

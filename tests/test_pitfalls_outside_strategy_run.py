@@ -4,7 +4,7 @@ Lesson 02 runs and asserts both on R replicas (once per suite); here, one replic
 
 import pytest
 
-from distgrad.pitfalls import outside_strategy_run
+from distgrad_course.pitfalls import outside_strategy_run
 
 MERGE_CALL_ON_NONE = "'NoneType' object has no attribute 'merge_call'"
 

@@ -3,7 +3,7 @@ after micro-batch 4 of 12 (k=3: one update done, one micro-batch of the next acc
 and resume it exactly: in a fresh process on MirroredStrategy, and on a 2-worker
 MultiWorkerMirroredStrategy cluster under `PreemptionCheckpointHandler` after a SIGTERM
 (the handler saves) or a SIGKILL (the last periodic save), restarted by the lab's cluster
-manager, `distgrad.lab.preemption.run_cluster_with_restarts`. A dead or missing worker
+manager, `distgrad_course.lab.preemption.run_cluster_with_restarts`. A dead or missing worker
 ends in bounded time, never a hang.
 
 Every run is compared with one device training on the big batches (a fresh process) and,
@@ -18,10 +18,10 @@ import time
 import numpy as np
 import pytest
 
-from distgrad.lab import preemption
-from distgrad.lab.child import run_child
-from distgrad.lab.compare import weight_diff
-from distgrad.lab.preemption import (
+from distgrad_course.lab import preemption
+from distgrad_course.lab.child import run_child
+from distgrad_course.lab.compare import weight_diff
+from distgrad_course.lab.preemption import (
     ACCUMULATION_STEPS,
     MICRO_STEPS,
     SPLIT,
@@ -50,7 +50,7 @@ def reference():
     """One device, one Adam step per 3 global micro-batches, in a fresh process (the
     shuffle order depends on TensorFlow's global seed, which other tests may have set)."""
     return [np.asarray(w, np.float32)
-            for w in run_child("distgrad.lab.preemption:reference_weights").value]
+            for w in run_child("distgrad_course.lab.preemption:reference_weights").value]
 
 
 # ------------------------------------------------------------ one process, 2 replicas
@@ -123,7 +123,7 @@ def test_resuming_without_the_accumulator_loses_the_accumulated_micro_batch(resu
     """The control: the same checkpoint restored without the accumulator starts the
     second cycle with 0 micro-batches instead of 1, and the weights come out different."""
     workdir, reports = resumed_with_skip
-    rest = run_child("distgrad.lab.preemption:custom_loop",
+    rest = run_child("distgrad_course.lab.preemption:custom_loop",
                      {"workdir": workdir, "phase": "rest", "without_accumulator": True}).value
     assert rest["restored"] == {"iterations": 1, "micro_steps": 0, "micro_batches": SPLIT}
     weights = load_weights(rest["weights_file"])

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distgrad.lab.multiworker import free_ports, visible_gpus, worker_devices
+from distgrad_course.lab.multiworker import free_ports, visible_gpus, worker_devices
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 TEXT = PAGE.read_text(encoding="utf-8")
@@ -461,7 +461,7 @@ def test_keras3_loss_scale_calls_are_the_ones_the_table_names(strategy2):
 
 
 def test_tf_keras_loss_scale_calls_are_the_ones_the_table_names():
-    from distgrad.lab.legacy import run_legacy
+    from distgrad_course.lab.legacy import run_legacy
 
     seen = run_legacy("recipes_children:tf_keras_loss_scale",
                       env={"PYTHONPATH": str(Path(__file__).parent)}).value

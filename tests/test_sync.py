@@ -8,17 +8,17 @@ import keras
 import pytest
 import tensorflow as tf
 
-from distgrad.lab.compare import OPTIMIZERS, check_close
-from distgrad.lab.data import regression_data, tiny_model
-from distgrad.lab.recipes import (
+from distgrad_course.lab.compare import OPTIMIZERS, check_close
+from distgrad_course.lab.data import regression_data, tiny_model
+from distgrad_course.lab.recipes import (
     big_batch_reference,
     make_replica_step,
     replica_loss,
     run_steps,
     untraced_sgd_step,
 )
-from distgrad.lab.spy import record_sync_path, summarize_path
-from distgrad.pitfalls import clip_before_sync, loss_object_scaling
+from distgrad_course.lab.spy import record_sync_path, summarize_path
+from distgrad_course.pitfalls import clip_before_sync, loss_object_scaling
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

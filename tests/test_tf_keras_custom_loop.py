@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from distgrad.lab.compare import check_close
-from distgrad.lab.data import regression_data
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab.compare import check_close
+from distgrad_course.lab.data import regression_data
+from distgrad_course.lab.legacy import run_legacy
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 REPLICAS, MICRO_BATCH, K, UPDATES = 2, 8, 4, 2

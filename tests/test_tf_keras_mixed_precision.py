@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from distgrad.lab.compare import check_close
-from distgrad.lab.legacy import run_legacy
-from distgrad.lab.mixed import check_float16_close, overflow_data
+from distgrad_course.lab.compare import check_close
+from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.mixed import check_float16_close, overflow_data
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 REPLICAS, MICRO_BATCH, K, MICRO_BATCHES, OVERFLOW = 2, 8, 2, 7, 3

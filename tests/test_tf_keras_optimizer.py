@@ -1,7 +1,7 @@
 """distgrad.tf_keras.AccumulatingOptimizer: `model.fit` accumulation for tf-keras (Keras 2).
 
 Every tf-keras observation comes from one child process per scenario group
-(`tests/tf_keras_children.py`, run by `distgrad.lab.legacy.run_legacy`), asserted here.
+(`tests/tf_keras_children.py`, run by `distgrad_course.lab.legacy.run_legacy`), asserted here.
 """
 
 import os
@@ -10,9 +10,9 @@ import keras
 import numpy as np
 import pytest
 
-from distgrad.lab.compare import check_close, check_not_close
-from distgrad.lab.data import regression_data
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab.compare import check_close, check_not_close
+from distgrad_course.lab.data import regression_data
+from distgrad_course.lab.legacy import run_legacy
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 REPLICAS, MICRO_BATCH, K, UPDATES = 2, 8, 3, 2

@@ -1,5 +1,5 @@
 """Lesson 05's facts: in-step micro-batching in model.fit (distgrad.train_step,
-distgrad.lab.memory)."""
+distgrad_course.lab.memory)."""
 
 import functools
 
@@ -8,11 +8,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import distgrad
-from distgrad.lab.compare import OPTIMIZERS, check_close, weights_of
-from distgrad.lab.data import classifier_model, regression_data, tiny_model
-from distgrad.lab.graph import fit_step_placement, placement_of_graph
-from distgrad.lab.memory import (
+import distgrad_course
+from distgrad.train_step import (
+    MicroBatching,
+    MicroBatchingModel,
+    check_micro_batches,
+    with_micro_batches,
+)
+from distgrad_course.lab.compare import OPTIMIZERS, check_close, weights_of
+from distgrad_course.lab.data import classifier_model, regression_data, tiny_model
+from distgrad_course.lab.graph import fit_step_placement, placement_of_graph
+from distgrad_course.lab.memory import (
     StepMemory,
     allocator_device,
     measure_step_memory,
@@ -20,13 +26,7 @@ from distgrad.lab.memory import (
     ru_maxrss_bytes,
     step_memory_from_info,
 )
-from distgrad.lab.mixed import check_float16_close
-from distgrad.train_step import (
-    MicroBatching,
-    MicroBatchingModel,
-    check_micro_batches,
-    with_micro_batches,
-)
+from distgrad_course.lab.mixed import check_float16_close
 
 EXAMPLES, BATCH = 32, 16  # two fit steps per epoch
 
@@ -69,7 +69,7 @@ def check_history(actual, expected):
 @pytest.mark.parametrize("replicas, name", [(1, name) for name in sorted(OPTIMIZERS)]
                          + [(2, "adamw")])
 def test_four_micro_batches_in_fit_equal_plain_big_batch_fit(replicas, name):
-    model, history = fit(distgrad.make_strategy(replicas), OPTIMIZERS[name], micro_batches=4)
+    model, history = fit(distgrad_course.make_strategy(replicas), OPTIMIZERS[name], micro_batches=4)
     reference_weights, reference_history = _plain_one_device(name)
     check_close(weights_of(model), reference_weights)
     check_history(history, reference_history)  # fit's loss and mae are the big-batch ones

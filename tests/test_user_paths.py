@@ -1,7 +1,7 @@
 """The user's path: code written the way a user writes it, from the README and the API page.
 
 No lab helper is imported here. Each test builds its data, model and strategy as a user
-would (`distgrad.make_strategy`, `tf.data`, `keras.Model`), and checks the result against
+would (`distgrad_course.make_strategy`, `tf.data`, `keras.Model`), and checks the result against
 the run it must equal: the same training on one big batch, or the uninterrupted run. A
 fresh process is a plain `python script.py`, as a user would start one.
 """
@@ -21,12 +21,13 @@ import pytest
 import tensorflow as tf
 
 import distgrad
-from distgrad.lab.mixed import check_float16_close
+import distgrad_course
+from distgrad_course.lab.mixed import check_float16_close
 
 K = 2  # micro-batches per update
 MICRO = 8  # examples per micro-batch, over all replicas
 FLOAT32 = {"rtol": 1e-6, "atol": 1e-6}
-# mixed_float16 runs are compared at float16's rounding bound (distgrad.lab.mixed): the
+# mixed_float16 runs are compared at float16's rounding bound (distgrad_course.lab.mixed): the
 # reference sums a big batch of K * MICRO / 2 examples per replica in float16.
 BIG_BATCH_PER_REPLICA = K * MICRO // 2
 OUTLIER = 1.0e4  # a target whose float16 scaled gradient overflows at any loss scale >= 1
@@ -38,7 +39,7 @@ SCALE = 2.0**8
 
 @pytest.fixture(scope="module")
 def strategy():
-    strategy = distgrad.make_strategy(2)
+    strategy = distgrad_course.make_strategy(2)
     assert strategy.num_replicas_in_sync >= 2
     return strategy
 
@@ -303,7 +304,7 @@ import distgrad  # all it takes to load distgrad's classes
 import keras
 import tensorflow as tf
 
-strategy = distgrad.make_strategy(2)
+strategy = distgrad_course.make_strategy(2)
 out = {}
 for name, job in json.loads(sys.argv[1]).items():
     with strategy.scope():
@@ -553,7 +554,7 @@ def test_steps_per_execution_runs_on_one_replica(way):
     x, y = regression(8 * MICRO)
     models = {}
     for steps in (1, 4):
-        with distgrad.make_strategy(1).scope():
+        with distgrad_course.make_strategy(1).scope():
             if way == "MicroBatchingModel":
                 model = make_model(distgrad.MicroBatchingModel, accumulation_steps=K)
                 optimizer, batch = keras.optimizers.Adam(0.01), K * MICRO
@@ -573,7 +574,7 @@ TF_KERAS_TRAIN = """
 import json, warnings
 import numpy as np
 import distgrad
-strategy = distgrad.make_strategy(2)
+strategy = distgrad_course.make_strategy(2)
 import tensorflow as tf
 from distgrad.tf_keras import AccumulatingOptimizer
 
@@ -639,7 +640,7 @@ import json, sys
 import numpy as np
 import distgrad  # registers distgrad.tf_keras.AccumulatingOptimizer with tf-keras
 keras_3_imported = "keras" in sys.modules
-strategy = distgrad.make_strategy(2)
+strategy = distgrad_course.make_strategy(2)
 import tensorflow as tf
 
 rest, out = np.load("rest.npz"), {"keras 3 imported": keras_3_imported}

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distgrad.lab.compare import check_close
-from distgrad.lab.data import regression_data
-from distgrad.lab.legacy import run_legacy
+from distgrad_course.lab.compare import check_close
+from distgrad_course.lab.data import regression_data
+from distgrad_course.lab.legacy import run_legacy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = ("optimizer", "accumulator", "train_step", "mixed_precision", "multi_worker")
@@ -135,7 +135,7 @@ def test_fit_on_plain_tf_keras_2_15_equals_one_big_batch_step():
 
 @keras_2_only
 def test_fit_under_mixed_float16_on_plain_tf_keras_2_15_equals_the_mixed_big_batch():
-    from distgrad.lab.mixed import check_float16_close, overflow_data
+    from distgrad_course.lab.mixed import check_float16_close, overflow_data
 
     micro_batches, overflow = 7, 3  # as tests/test_tf_keras_mixed_precision.py
     x, y = overflow_data(micro_batches - 1, MICRO_BATCH, None, REPLICAS)

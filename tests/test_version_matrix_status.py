@@ -1,10 +1,11 @@
-"""The status of each upstream report, as tests/version_matrix.py derives it from the
+"""The status of each upstream report, as src/course/distgrad_course/version_matrix.py
+derives it from the
 per-test results of tests/test_upstream_reports.py (no TensorFlow: the driver's own logic).
 """
 
 from __future__ import annotations
 
-import version_matrix as matrix
+from distgrad_course import version_matrix as matrix
 
 RUN = "test_each_reproduction_shows_what_the_page_says[lazy_slot_creation-{}]"
 GONE = ("AssertionError: ('lazy_slot_creation', 'keras') no longer raises tensorflow.python."

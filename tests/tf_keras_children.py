@@ -1,8 +1,8 @@
 """The tf-keras programs of `tests/test_tf_keras_*.py`, one per scenario group.
 
-Each runs in a `distgrad.lab.legacy.run_legacy` child (tf-keras, `TF_USE_LEGACY_KERAS=1`)
+Each runs in a `distgrad_course.lab.legacy.run_legacy` child (tf-keras, `TF_USE_LEGACY_KERAS=1`)
 and returns the observations its tests assert, as JSON: weights as lists, counters after
-every batch (`distgrad.lab.legacy_fit.Counters`), errors as `{"type", "message"}`. The
+every batch (`distgrad_course.lab.legacy_fit.Counters`), errors as `{"type", "message"}`. The
 class under test is imported from `module` (default `distgrad.tf_keras`), so that
 `tests/test_copy_alone.py` can run the same program on a copied file.
 """
@@ -12,7 +12,7 @@ import tempfile
 
 import numpy as np
 
-from distgrad.lab.legacy import legacy_strategy
+from distgrad_course.lab.legacy import legacy_strategy
 
 
 def _accumulating(module):
@@ -66,7 +66,7 @@ def fit_equivalence(replicas, x, y, micro_batch, accumulation_steps, names=None,
     strategy = legacy_strategy(replicas)
     import tensorflow as tf
 
-    from distgrad.lab import legacy_fit
+    from distgrad_course.lab import legacy_fit
 
     accumulating, k = _accumulating(module), accumulation_steps
     inner = dict(legacy_fit.OPTIMIZERS, **{
@@ -128,7 +128,7 @@ def checkpoint_round_trip(strategy, x, y, micro_batch, accumulation_steps, stop_
     restored optimizers hold."""
     import tensorflow as tf
 
-    from distgrad.lab import legacy_fit
+    from distgrad_course.lab import legacy_fit
 
     accumulating, k = _accumulating("distgrad.tf_keras"), accumulation_steps
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
@@ -190,7 +190,7 @@ def config_round_trips():
 def non_finite_cycles(strategy, x, y, micro_batch, accumulation_steps):
     """`model.fit` with `non_finite` "raise" and "skip" on data whose NaN example makes one
     replica's gradients NaN in the second cycle, and big-batch `fit` of the first cycle."""
-    from distgrad.lab import legacy_fit
+    from distgrad_course.lab import legacy_fit
 
     accumulating, k = _accumulating("distgrad.tf_keras"), accumulation_steps
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
@@ -216,7 +216,7 @@ def bad_input(strategy):
     """What each misuse raises: `{case: {"type", "message"} or None}`."""
     import tensorflow as tf
 
-    from distgrad.lab import legacy_fit
+    from distgrad_course.lab import legacy_fit
 
     accumulating, keras = _accumulating("distgrad.tf_keras"), tf.keras
     def keras_3_class():  # distgrad.AccumulatingOptimizer; TF 2.15 (no Keras 3): ImportError
@@ -278,8 +278,8 @@ def mixed_precision(replicas, x, y, overflowing, without, micro_batch, accumulat
     strategy = legacy_strategy(replicas)
     import tensorflow as tf
 
-    from distgrad.lab import legacy_fit
-    from distgrad.pitfalls.legacy_loss_scale import QuestionModel
+    from distgrad_course.lab import legacy_fit
+    from distgrad_course.pitfalls.legacy_loss_scale import QuestionModel
 
     accumulating, k, keras = _accumulating("distgrad.tf_keras"), accumulation_steps, tf.keras
     inner = legacy_fit.OPTIMIZERS
@@ -366,7 +366,7 @@ def custom_loops(replicas, x, y, micro_batch, accumulation_steps, updates):
     import tensorflow as tf
 
     from distgrad.accumulator import GradientAccumulator
-    from distgrad.lab import legacy_fit
+    from distgrad_course.lab import legacy_fit
 
     accumulating, k = _accumulating("distgrad.tf_keras"), accumulation_steps
     batches = list(strategy.experimental_distribute_dataset(

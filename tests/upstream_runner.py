@@ -1,4 +1,4 @@
-"""Child-process target of tests/test_upstream_reports.py (run by `distgrad.lab.child`,
+"""Child-process target of tests/test_upstream_reports.py (run by `distgrad_course.lab.child`,
 with tests/ on PYTHONPATH).
 
 A reproduction in docs/upstream/ is a plain script meant to be pasted into an upstream
@@ -39,5 +39,5 @@ def run_script(path: str, names: list[str] | None = None, keras_module: str = "k
 
 def run_worker_script(task_index: int, num_workers: int, **kwargs) -> dict:
     """`run_script(**kwargs)` in one worker of a local cluster: the target of
-    `distgrad.lab.multiworker.run_workers`, which sets this worker's `TF_CONFIG`."""
+    `distgrad_course.lab.multiworker.run_workers`, which sets this worker's `TF_CONFIG`."""
     return run_script(**kwargs)

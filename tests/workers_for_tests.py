@@ -1,5 +1,5 @@
-"""Child targets used only by tests: of the runners themselves (`distgrad.lab.child`,
-`distgrad.lab.multiworker`, `distgrad.lab.legacy`) and of what needs a fresh runtime.
+"""Child targets used only by tests: of the runners themselves (`distgrad_course.lab.child`,
+`distgrad_course.lab.multiworker`, `distgrad_course.lab.legacy`) and of what needs a fresh runtime.
 Children find this module through `PYTHONPATH` (see `TESTS_ON_PATH` in the tests);
 TensorFlow is imported only where a target needs it, so the other children start in a
 fraction of a second."""
@@ -59,7 +59,7 @@ def sleep_for(seconds=60, replicas=None):
 
 def legacy_probe(replicas):
     """Under tf-keras: what the child's `tf.keras` and strategy are."""
-    from distgrad.lab.legacy import legacy_strategy
+    from distgrad_course.lab.legacy import legacy_strategy
 
     strategy = legacy_strategy(replicas)
     import numpy as np
@@ -80,14 +80,14 @@ def strategy_after_runtime_init():
     import tensorflow as tf
 
     tf.constant(1.0) + 1.0  # initializes the runtime with one CPU device
-    from distgrad.devices import make_strategy
+    from distgrad_course.devices import make_strategy
 
     make_strategy(2)
 
 
 def replicas_in_sync():
     """`make_strategy()`'s replica count (it reads DISTGRAD_REPLICAS)."""
-    from distgrad.devices import make_strategy
+    from distgrad_course.devices import make_strategy
 
     return make_strategy().num_replicas_in_sync
 
@@ -103,7 +103,7 @@ def _fit_dataset(strategy, data: str, global_batch: int):
     `distribute_datasets_from_function`'s dataset ("function", "uneven_function")."""
     import tensorflow as tf
 
-    from distgrad.lab.data import regression_data
+    from distgrad_course.lab.data import regression_data
 
     x, y = regression_data(FIT_EXAMPLES)
     if data == "arrays":
@@ -133,7 +133,7 @@ def fit_on_mwms(task_index, num_workers, runs, checkpoint_dir=None, collective_t
     "build_fix_only" (`MultiWorkerFit` without its log reshaping); `accumulation` "none",
     "optimizer" (`AccumulatingOptimizer`, k=2: global micro-batches of 8) or
     "micro_batching" (k=2 inside each step of 16); `optimizer` a name of
-    `distgrad.lab.compare.OPTIMIZERS`; `data` "DATA", "function", "OFF", "ragged",
+    `distgrad_course.lab.compare.OPTIMIZERS`; `data` "DATA", "function", "OFF", "ragged",
     "arrays" or "uneven_function" (worker 1 has no full batch); `jit_compile`;
     `validate` also passes the data as `validation_data`; `checkpoint` adds a
     ModelCheckpoint, into `checkpoint_dir` on the chief and a throwaway directory on the
@@ -143,17 +143,17 @@ def fit_on_mwms(task_index, num_workers, runs, checkpoint_dir=None, collective_t
     """
     import tempfile
 
-    from distgrad.lab.multiworker import make_worker_strategy
+    from distgrad_course.lab.multiworker import make_worker_strategy
 
     strategy = make_worker_strategy(collective_timeout)
     import keras
     import tensorflow as tf
 
-    from distgrad.lab.compare import OPTIMIZERS
-    from distgrad.lab.data import tiny_model
     from distgrad.multi_worker import MultiWorkerFit, MultiWorkerFitModel
     from distgrad.optimizer import AccumulatingOptimizer
     from distgrad.train_step import MicroBatching
+    from distgrad_course.lab.compare import OPTIMIZERS
+    from distgrad_course.lab.data import tiny_model
 
     class MicroBatchingOnWorkers(MultiWorkerFit, MicroBatching, keras.Model):
         pass

@@ -1,6 +1,6 @@
 """Child target of test_docs_claims: what one traced SGD step under MirroredStrategy calls.
 
-Run in a fresh process (`distgrad.lab.child`): it needs 2 logical CPU devices, which must
+Run in a fresh process (`distgrad_course.lab.child`): it needs 2 logical CPU devices, which must
 exist before TensorFlow initializes.
 """
 
@@ -14,13 +14,13 @@ DISTRIBUTE_LIB = "tensorflow.python.distribute.distribute_lib"
 def merge_calls_of_one_sgd_step() -> dict:
     """Trace one SGD step on 2 replicas; the `merge_call` functions by qualified name
     (counted) and, per `batch_reduce_to` call, whether it ran in cross-replica context."""
-    from distgrad.devices import make_strategy
+    from distgrad_course.devices import make_strategy
 
     strategy = make_strategy(2)
     import tensorflow as tf
 
-    from distgrad.lab.recipes import untraced_sgd_step
-    from distgrad.lab.spy import spying
+    from distgrad_course.lab.recipes import untraced_sgd_step
+    from distgrad_course.lab.spy import spying
 
     distributed_step, batch = untraced_sgd_step(strategy)
     merge_fns, reduce_contexts = [], []

@@ -1,6 +1,6 @@
-"""Child target of test_docs_pages: what `distgrad.make_strategy` does to TensorFloat-32.
+"""Child target of test_docs_pages: what `distgrad_course.make_strategy` does to TensorFloat-32.
 
-Run in a fresh process (`distgrad.lab.child`), so the setting read first is TensorFlow's
+Run in a fresh process (`distgrad_course.lab.child`), so the setting read first is TensorFlow's
 default, not one an earlier test left behind.
 """
 
@@ -12,7 +12,7 @@ def tf32_around_make_strategy() -> dict:
     `environment_report` prints for it."""
     import tensorflow as tf
 
-    from distgrad.devices import environment_report, make_strategy
+    from distgrad_course.devices import environment_report, make_strategy
 
     before = tf.config.experimental.tensor_float_32_execution_enabled()
     strategy = make_strategy(2)

@@ -16,7 +16,7 @@ from pathlib import Path
 import tomllib
 from site_helpers import hooks
 
-PITFALLS = "distgrad.pitfalls"
+PITFALLS = "distgrad_course.pitfalls"
 _SECTION = re.compile(r"^## (?P<title>.+?)\s*\{#(?P<anchor>[\w-]+)\}\s*$", re.MULTILINE)
 _LESSON_LINK = re.compile(r"\]\(lessons/(?P<name>\d\d_[\w-]+)\.ipynb(?:#[^)]*)?\)")
 _COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
@@ -35,13 +35,14 @@ def lesson_names(root: Path) -> list[str]:
 
 
 def pitfall_modules(root: Path) -> list[str]:
-    """Module names (`per_replica_mean`, ...) of src/distgrad/pitfalls/, not `_private`."""
+    """Module names (`per_replica_mean`, ...) of src/course/distgrad_course/pitfalls/, not
+    `_private`."""
     folder = root / "src" / "distgrad" / "pitfalls"
     return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
 
 
 def pitfalls_imported_by(source: str) -> set[str]:
-    """The `distgrad.pitfalls` modules a lesson's source imports (any import form)."""
+    """The `distgrad_course.pitfalls` modules a lesson's source imports (any import form)."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module == PITFALLS:
@@ -56,7 +57,7 @@ def pitfalls_imported_by(source: str) -> set[str]:
 
 def pitfall_sections(text: str) -> list[dict]:
     """The `## Title {#anchor}` sections of pitfalls.md: the modules each names as
-    `distgrad.pitfalls.NAME` and the lessons it links."""
+    `distgrad_course.pitfalls.NAME` and the lessons it links."""
     text = _COMMENT.sub("", text)
     heads = list(_SECTION.finditer(text))
     sections = []

@@ -18,6 +18,10 @@ from pathlib import Path
 import yaml
 
 PACKAGE = "distgrad"
+# Each package and the page that documents it: the library's API page, and the course's
+# instruments (the lab, the pitfalls, the device setup) on a page of their own.
+API_PAGES = {"distgrad": ("src/distgrad", "docs/api.md"),
+             "distgrad_course": ("src/course/distgrad_course", "docs/course-api.md")}
 _DIRECTIVE = re.compile(r"^:::\s+(\S+)\s*$")
 _COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
 _DOC_HEADING = re.compile(
@@ -118,9 +122,10 @@ def executed_lesson_problems(root: Path) -> list[str]:
 # -------------------------------------------------------------------------- API page
 
 
-def public_modules(root: Path) -> dict[str, Path]:
-    """`{"distgrad.x.y": path}` for every module and package of src/distgrad, at any
-    depth, whose name does not start with `_` (a package's path is its __init__.py)."""
+def public_modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
+    """`{"package.x.y": path}` for every module and subpackage of `package` (its folder in
+    API_PAGES), at any depth, whose name does not start with `_` (a package's path is its
+    __init__.py)."""
     modules: dict[str, Path] = {}
 
     def walk(directory: Path, prefix: str):
@@ -133,7 +138,7 @@ def public_modules(root: Path) -> dict[str, Path]:
                 modules[f"{prefix}.{path.name}"] = path / "__init__.py"
                 walk(path, f"{prefix}.{path.name}")
 
-    walk(root / "src" / PACKAGE, PACKAGE)
+    walk(root / API_PAGES[package][0], package)
     return modules
 
 
@@ -187,17 +192,19 @@ def _documented_by_directive(module: str, directives: dict[str, dict]) -> bool:
 
 
 def api_problems(root: Path) -> list[str]:
-    """docs/api.md documents every public module: by its own directive, by a package's
-    with `show_submodules: true`, or member by member (`::: module.Name` for each)."""
-    directives = api_directives((root / "docs" / "api.md").read_text(encoding="utf-8"))
+    """Each package's page (API_PAGES) documents every public module of it: by its own
+    directive, by a package's with `show_submodules: true`, or member by member
+    (`::: module.Name` for each)."""
     problems = []
-    for module, path in public_modules(root).items():
-        members = public_members(path)
-        if _documented_by_directive(module, directives) or (
-            members and all(f"{module}.{name}" in directives for name in members)
-        ):
-            continue
-        problems.append(f"{module} is not in docs/api.md: add `::: {module}` where it belongs")
+    for package, (_, page) in API_PAGES.items():
+        directives = api_directives((root / page).read_text(encoding="utf-8"))
+        for module, path in public_modules(root, package).items():
+            members = public_members(path)
+            if _documented_by_directive(module, directives) or (
+                members and all(f"{module}.{name}" in directives for name in members)
+            ):
+                continue
+            problems.append(f"{module} is not in {page}: add `::: {module}` where it belongs")
     return problems
 
 
@@ -239,11 +246,12 @@ def doc_headings(api_html: str) -> dict[str, str]:
     return {m.group("id"): m.group("inner") for m in _DOC_HEADING.finditer(api_html)}
 
 
-def built_api_problems(root: Path, api_html: str) -> list[str]:
-    """The built API page has a heading for every public module, or for each of its members."""
+def built_api_problems(root: Path, api_html: str, package: str = PACKAGE) -> list[str]:
+    """The built page of `package` has a heading for every public module of it, or for each
+    of its members."""
     headings = doc_headings(api_html)
     problems = []
-    for module, path in public_modules(root).items():
+    for module, path in public_modules(root, package).items():
         members = public_members(path)
         if module in headings or (members and all(f"{module}.{n}" in headings for n in members)):
             continue

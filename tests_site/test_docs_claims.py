@@ -12,7 +12,7 @@ import os
 
 from site_helpers import ROOT
 
-from distgrad.lab.child import run_child
+from distgrad_course.lab.child import run_child
 
 
 def test_one_sgd_step_makes_three_merge_calls_per_replica_and_one_cross_replica_reduce():

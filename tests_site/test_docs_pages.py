@@ -19,13 +19,13 @@ import page_claims as claims
 import pytest
 from site_helpers import DOCS, ROOT
 
-from distgrad.lab.child import run_child
+from distgrad_course.lab.child import run_child
 
 # ------------------------------------------------------------------ the repository
 
 
 def test_the_pitfalls_page_lists_every_pitfall_with_the_lessons_that_reproduce_it():
-    assert claims.pitfall_modules(ROOT), "no modules in src/distgrad/pitfalls/"
+    assert claims.pitfall_modules(ROOT), "no modules in src/course/distgrad_course/pitfalls/"
     problems = claims.pitfalls_page_problems(ROOT)
     assert not problems, "\n".join(problems)
 
@@ -56,7 +56,7 @@ def gpu_guide() -> str:
 
 def test_make_strategy_turns_tf32_off_as_the_gpu_guide_says(tf32):
     guide = gpu_guide()
-    assert "`distgrad.make_strategy()` turns TF32 off" in guide
+    assert "`distgrad_course.make_strategy()` turns TF32 off" in guide
     assert "`environment_report()` then shows `tensor_float_32: False`" in guide
     assert tf32["before"] is True, "TensorFlow's default changed: reread docs/guides/gpu.md"
     assert (tf32["after"], tf32["reported"]) == (False, False), (
@@ -80,7 +80,7 @@ def test_the_gpu_guide_statements_about_the_lessons_hold():
     ]
     assert compiled == [], (
         f"cells that compile with jit_compile=True and assert no refusal: {compiled}")
-    assert "Every lesson prints `distgrad.environment_report(strategy)`" in guide
+    assert "Every lesson prints `distgrad_course.environment_report(strategy)`" in guide
     assert [n for n, s in sources.items() if "environment_report(" not in s] == []
 
 
@@ -118,13 +118,14 @@ def test_pitfalls_check_names_an_unlisted_module_and_a_wrong_lesson(tree):
     source = tree / "notebooks" / f"{lesson}.py"
     # The lesson stops reproducing double_sum and starts reproducing mask_trick.
     text = source.read_text(encoding="utf-8").replace(
-        "from distgrad.pitfalls import double_sum", "from distgrad.pitfalls import mask_trick")
+        "from distgrad_course.pitfalls import double_sum",
+        "from distgrad_course.pitfalls import mask_trick")
     source.write_text(text, encoding="utf-8")
     problems = claims.pitfalls_page_problems(tree)
-    assert problems[0].startswith("distgrad.pitfalls.brand_new is not on docs/pitfalls.md")
+    assert problems[0].startswith("distgrad_course.pitfalls.brand_new is not on docs/pitfalls.md")
     assert f"docs/pitfalls.md#double-sum links lesson {lesson}, which imports none of" in (
         "\n".join(problems))
-    assert any(p.startswith(f"lesson {lesson} reproduces distgrad.pitfalls.mask_trick")
+    assert any(p.startswith(f"lesson {lesson} reproduces distgrad_course.pitfalls.mask_trick")
                for p in problems)
     assert len(problems) == 3, problems
 
@@ -132,9 +133,9 @@ def test_pitfalls_check_names_an_unlisted_module_and_a_wrong_lesson(tree):
 def test_pitfalls_check_names_a_module_that_is_gone_and_a_section_without_a_lesson(tree):
     page = tree / "docs" / "pitfalls.md"
     page.write_text(page.read_text(encoding="utf-8")
-                    + "\n## Gone {#gone}\n\n`distgrad.pitfalls.gone`\n", encoding="utf-8")
+                    + "\n## Gone {#gone}\n\n`distgrad_course.pitfalls.gone`\n", encoding="utf-8")
     assert claims.pitfalls_page_problems(tree) == [
-        "docs/pitfalls.md#gone names distgrad.pitfalls.gone, which does not exist",
+        "docs/pitfalls.md#gone names distgrad_course.pitfalls.gone, which does not exist",
         "docs/pitfalls.md#gone links no lesson",
     ]
 

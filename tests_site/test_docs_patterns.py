@@ -115,7 +115,7 @@ def test_toc_is_built_from_the_rendered_headings_with_their_code():
 
 def test_environment_report_is_read_from_the_executed_lesson(tmp_path):
     notebook = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("distgrad.environment_report(strategy)")
+    cell = nbformat.v4.new_code_cell("distgrad_course.environment_report(strategy)")
     cell.outputs = [
         nbformat.v4.new_output("stream", text="INFO: something\n"),
         nbformat.v4.new_output(

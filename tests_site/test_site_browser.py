@@ -174,7 +174,8 @@ def test_markdown_code_blocks_have_copy_buttons(page):
 def test_api_reference_renders_docstrings(page):
     open_page(page, "api/")
     text = page.locator("article").inner_text()
-    for name in ("distgrad.devices", "make_strategy", "distgrad.pitfalls", "CapturedError"):
+    for name in ("distgrad_course.devices", "make_strategy", "distgrad_course.pitfalls",
+                 "CapturedError"):
         assert name in text
     # That every module and reference class has its heading: test_site_completeness.py.
 

@@ -38,8 +38,9 @@ def test_every_executed_lesson_has_its_pair_and_outputs():
 
 
 def test_every_module_is_in_the_api_reference():
-    modules = completeness.public_modules(ROOT)
-    for package in ("distgrad.lab", "distgrad.pitfalls"):
+    modules = completeness.public_modules(ROOT, "distgrad_course")
+    assert not any(m.startswith("distgrad.lab") for m in completeness.public_modules(ROOT))
+    for package in ("distgrad_course.lab", "distgrad_course.pitfalls"):
         assert package in modules and any(m.startswith(f"{package}.") for m in modules)
     assert not any("._" in m for m in modules)
     problems = completeness.api_problems(ROOT)
@@ -55,9 +56,11 @@ def test_the_api_reference_lists_the_reference_classes():
     assert not problems, "\n".join(problems)
 
 
-def test_the_built_api_page_has_every_module(site):
-    html = (site / "api" / "index.html").read_text(encoding="utf-8")
-    problems = completeness.built_api_problems(ROOT, html)
+@pytest.mark.parametrize("package, page", [("distgrad", "api"),
+                                           ("distgrad_course", "course-api")])
+def test_the_built_api_page_has_every_module(site, package, page):
+    html = (site / page / "index.html").read_text(encoding="utf-8")
+    problems = completeness.built_api_problems(ROOT, html, package)
     assert not problems, "\n".join(problems)
 
 
@@ -67,17 +70,15 @@ def test_the_built_api_page_has_every_module(site):
 @pytest.fixture
 def tree(tmp_path):
     """A copy of what the checks read, with executed copies that have outputs."""
-    for name in ("mkdocs.yml", "docs/index.md", "docs/api.md"):
+    for name in ("mkdocs.yml", "docs/index.md", "docs/api.md", "docs/course-api.md"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / name, tmp_path / name)
     (tmp_path / "notebooks").mkdir()
     for path in (ROOT / "notebooks").glob("[0-9][0-9]_*"):
         shutil.copyfile(path, tmp_path / "notebooks" / path.name)
-    shutil.copytree(
-        ROOT / "src" / "distgrad",
-        tmp_path / "src" / "distgrad",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-    )
+    for folder in ("src/distgrad", "src/course/distgrad_course"):
+        shutil.copytree(ROOT / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (tmp_path / "docs" / "lessons").mkdir()
     for name in completeness.nav_lessons(tmp_path):
         write_executed(tmp_path / "docs" / "lessons" / f"{name}.ipynb", outputs=True)
@@ -139,15 +140,14 @@ def test_executed_lesson_check_names_missing_stale_and_unexecuted_copies(tree):
 
 
 def test_api_check_names_an_unlisted_module_at_any_depth(tree):
-    api = tree / "docs" / "api.md"
-    modules = completeness.public_modules(tree)
-    api.write_text("# API\n\n" + "\n\n".join(f"::: {m}" for m in modules) + "\n")
+    api, course = tree / "docs" / "api.md", tree / "docs" / "course-api.md"
+    for page, package in ((api, "distgrad"), (course, "distgrad_course")):
+        modules = completeness.public_modules(tree, package)
+        page.write_text("# API\n\n" + "\n\n".join(f"::: {m}" for m in modules) + "\n")
     assert completeness.api_problems(tree) == []
 
-    drop_lines(api, "::: distgrad.devices\n")
-    lab = tree / "src" / "distgrad" / "lab"
-    lab.mkdir(exist_ok=True)
-    (lab / "__init__.py").touch()
+    drop_lines(course, "::: distgrad_course.devices\n")
+    lab = tree / "src" / "course" / "distgrad_course" / "lab"
     (lab / "new_helper.py").write_text("def helper():\n    pass\n")
     (tree / "src" / "distgrad" / "brand_new.py").write_text(
         "class A:\n    pass\n\n\ndef b():\n    pass\n\n\ndef _private():\n    pass\n"
@@ -155,22 +155,24 @@ def test_api_check_names_an_unlisted_module_at_any_depth(tree):
     api.write_text(api.read_text() + "\n::: distgrad.brand_new.A\n")
     assert completeness.api_problems(tree) == [
         "distgrad.brand_new is not in docs/api.md: add `::: distgrad.brand_new` where it belongs",
-        "distgrad.devices is not in docs/api.md: add `::: distgrad.devices` where it belongs",
+        "distgrad_course.devices is not in docs/course-api.md: add `::: distgrad_course.devices` "
+        "where it belongs",
         (
-            "distgrad.lab.new_helper is not in docs/api.md: "
-            "add `::: distgrad.lab.new_helper` where it belongs"
+            "distgrad_course.lab.new_helper is not in docs/course-api.md: "
+            "add `::: distgrad_course.lab.new_helper` where it belongs"
         ),
     ]
     # Member by member, or a package's directive with show_submodules, covers a module.
-    text = api.read_text() + "\n::: distgrad.brand_new.b\n\n::: distgrad.devices\n"
-    with_submodules = "::: distgrad.lab\n    options:\n      show_submodules: true\n"
-    api.write_text(text.replace("::: distgrad.lab\n", with_submodules))
+    api.write_text(api.read_text() + "\n::: distgrad.brand_new.b\n")
+    text = course.read_text() + "\n::: distgrad_course.devices\n"
+    with_submodules = "::: distgrad_course.lab\n    options:\n      show_submodules: true\n"
+    course.write_text(text.replace("::: distgrad_course.lab\n", with_submodules))
     assert completeness.api_problems(tree) == []
 
 
 def test_api_class_check_needs_each_class_listed(tree):
     api = tree / "docs" / "api.md"
-    api.write_text("# API\n\n::: distgrad.devices\n")
+    api.write_text("# API\n\n::: distgrad.clipping\n")
     problems = completeness.api_class_problems(tree, REFERENCE_CLASSES)
     assert [p.split(": add")[0] for p in problems] == [
         f"docs/api.md does not list {name}" for name in REFERENCE_CLASSES
@@ -203,24 +205,25 @@ METHOD_HEADING = (
     '<span class="doc doc-object-name doc-function-name">add</span>\n</h4>'
 )
 MODULE_HEADING = (
-    '<h3 id="distgrad.devices" class="doc doc-heading">\n'
-    '<span class="doc doc-object-name doc-module-name">distgrad.devices</span>\n</h3>'
+    '<h3 id="distgrad_course.devices" class="doc doc-heading">\n'
+    '<span class="doc doc-object-name doc-module-name">distgrad_course.devices</span>\n</h3>'
 )
 
 
 def test_api_page_checks_need_headings_not_mentions(tree):
-    mention = "<p>see <code>MicroBatching</code> and <code>distgrad.pitfalls</code></p>"
+    mention = "<p>see <code>MicroBatching</code> and <code>distgrad_course.pitfalls</code></p>"
     html = CLASS_HEADING + METHOD_HEADING + MODULE_HEADING + mention
     assert completeness.built_api_class_problems(html, REFERENCE_CLASSES) == [
         "the built API page has no class heading for GradientAccumulator",
         "the built API page has no class heading for MicroBatching",
     ]
+    problems = completeness.built_api_problems(tree, html, "distgrad_course")
+    missing = {re.search(r"heading for (\S+)", p).group(1) for p in problems}
+    assert "distgrad_course.devices" not in missing
+    assert {"distgrad_course.lab", "distgrad_course.pitfalls"} <= missing
+    assert missing == set(completeness.public_modules(tree, "distgrad_course")) - {
+        "distgrad_course.devices"}
     problems = completeness.built_api_problems(tree, html)
     missing = {re.search(r"heading for (\S+)", p).group(1) for p in problems}
-    assert "distgrad.devices" not in missing
-    assert {"distgrad.lab", "distgrad.pitfalls"} <= missing
     # distgrad.optimizer may be covered by its class heading if that is its only member.
-    assert missing >= set(completeness.public_modules(tree)) - {
-        "distgrad.devices",
-        "distgrad.optimizer",
-    }
+    assert missing >= set(completeness.public_modules(tree)) - {"distgrad.optimizer"}

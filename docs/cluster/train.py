@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 import distgrad
+import distgrad_course
 
 PREEMPTED = 42  # BackupAndRestore's exit status after SIGTERM: run me again, I resume
 
@@ -78,7 +79,7 @@ def make_strategy(args):
         timeout_seconds=args.collective_timeout)
     several = "TF_CONFIG" in os.environ or int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
     if not several:  # alone: this machine's GPUs (one is split in two), or two logical CPUs
-        return distgrad.make_strategy()
+        return distgrad_course.make_strategy()
     for gpu in tf.config.list_physical_devices("GPU"):  # allocate as needed
         tf.config.experimental.set_memory_growth(gpu, True)
     if "TF_CONFIG" in os.environ:

@@ -366,8 +366,9 @@ def _collapse_deep_dives(html_text, page):
 
 
 def environment_report_of(notebook: Path) -> dict | None:
-    """The first `distgrad.environment_report()` of the notebook: shown with
-    `distgrad.lab.display.show_environment` (in the output's metadata) or printed as a dict."""
+    """The first `distgrad_course.environment_report()` of the notebook: shown with
+    `distgrad_course.lab.display.show_environment` (in the output's metadata) or printed
+    as a dict."""
     cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
     for cell in cells:
         for output in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
@@ -405,7 +406,7 @@ def _executed_versions_table(page, files) -> str:
         link = f'<a href="{get_relative_url(lesson.url, page.url)}">{_stem(lesson)}</a>'
         if report is None:
             log.warning(
-                "%s printed no distgrad.environment_report(): its first code cell "
+                "%s printed no distgrad_course.environment_report(): its first code cell "
                 "must end with it.",
                 src_uri,
             )

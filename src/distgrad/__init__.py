@@ -28,7 +28,8 @@ TensorFlow and Keras and the modules of every class `model.save` can hold
 `MultiWorkerFitModel`, `ResumableFitModel`), which registers them with Keras. In a process that set
 `TF_USE_LEGACY_KERAS=1` before importing TensorFlow (tf-keras, Keras 2), it registers
 `distgrad.tf_keras.AccumulatingOptimizer` with tf-keras instead, and leaves Keras 3 alone.
-The other names, the lab and the pitfalls are imported when first used.
+The other names are imported when first used. The course (the lab, the pitfall
+reproductions, the device setup) is a package of its own, `distgrad_course` (src/course).
 
 On TensorFlow 2.15, whose `tf.keras` is its own Keras 2.15 and which has no Keras 3,
 `import distgrad` registers `distgrad.tf_keras.AccumulatingOptimizer` too; there
@@ -62,8 +63,6 @@ _EXPORTS = {
     "check_multi_worker_input": "distgrad.multi_worker",
     "AllReplicasFiniteLossScaleOptimizer": "distgrad.mixed_precision",
     "clip_by_global_norm_across_replicas": "distgrad.clipping",
-    "make_strategy": "distgrad.devices",
-    "environment_report": "distgrad.devices",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -76,8 +75,7 @@ LEGACY_SAVEABLE_MODULES = ("distgrad.tf_keras.optimizer",)
 
 
 # The names whose modules work without Keras 3 (TensorFlow 2.15, where `keras` is Keras 2).
-KERAS_2_EXPORTS = {"GradientAccumulator", "clip_by_global_norm_across_replicas",
-                   "make_strategy", "environment_report"}
+KERAS_2_EXPORTS = {"GradientAccumulator", "clip_by_global_norm_across_replicas"}
 
 
 def _uses_legacy_keras() -> bool:
