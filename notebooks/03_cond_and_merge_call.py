@@ -35,7 +35,6 @@
 # %%
 import tensorflow as tf
 
-import distgrad
 import distgrad_course
 
 strategy = distgrad_course.make_strategy()  # first: logical devices must exist before TF starts
@@ -57,6 +56,8 @@ show_environment(distgrad_course.environment_report(strategy))
 import keras
 import numpy as np
 import tensorflow as tf
+
+import distgrad  # the packaged form: `pip install .` in a clone of this repository (not on PyPI)
 
 # Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
 cpu = tf.config.list_physical_devices("CPU")[0]

@@ -43,7 +43,6 @@
 # %%
 import tensorflow as tf
 
-import distgrad
 import distgrad_course
 from distgrad_course.lab.display import show_code, show_environment, show_table
 
@@ -62,6 +61,8 @@ show_environment(distgrad_course.environment_report(strategy))
 import keras
 import numpy as np
 import tensorflow as tf
+
+import distgrad  # the fix: AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(...))
 
 # Two or more replicas: your GPUs, or two logical CPUs on a machine without GPUs.
 cpu = tf.config.list_physical_devices("CPU")[0]

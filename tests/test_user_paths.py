@@ -304,6 +304,7 @@ import distgrad  # all it takes to load distgrad's classes
 import keras
 import tensorflow as tf
 
+import distgrad_course  # (the test's two logical CPUs)
 strategy = distgrad_course.make_strategy(2)
 out = {}
 for name, job in json.loads(sys.argv[1]).items():
@@ -574,6 +575,7 @@ TF_KERAS_TRAIN = """
 import json, warnings
 import numpy as np
 import distgrad
+import distgrad_course  # (the test's two logical CPUs)
 strategy = distgrad_course.make_strategy(2)
 import tensorflow as tf
 from distgrad.tf_keras import AccumulatingOptimizer
@@ -640,6 +642,7 @@ import json, sys
 import numpy as np
 import distgrad  # registers distgrad.tf_keras.AccumulatingOptimizer with tf-keras
 keras_3_imported = "keras" in sys.modules
+import distgrad_course  # (the test's two logical CPUs)
 strategy = distgrad_course.make_strategy(2)
 import tensorflow as tf
 

@@ -28,7 +28,6 @@ import numpy as np
 import tensorflow as tf
 
 import distgrad
-import distgrad_course
 
 PREEMPTED = 42  # BackupAndRestore's exit status after SIGTERM: run me again, I resume
 
@@ -78,8 +77,14 @@ def make_strategy(args):
     options = tf.distribute.experimental.CommunicationOptions(
         timeout_seconds=args.collective_timeout)
     several = "TF_CONFIG" in os.environ or int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
-    if not several:  # alone: this machine's GPUs (one is split in two), or two logical CPUs
-        return distgrad_course.make_strategy()
+    if not several:  # alone: this machine's GPUs, or two logical CPUs where it has none
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        if not (tf.config.list_physical_devices("GPU")
+                or tf.config.get_logical_device_configuration(cpu)):
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        return tf.distribute.MirroredStrategy(
+            tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU"))
     for gpu in tf.config.list_physical_devices("GPU"):  # allocate as needed
         tf.config.experimental.set_memory_growth(gpu, True)
     if "TF_CONFIG" in os.environ:
