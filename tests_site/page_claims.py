@@ -37,7 +37,7 @@ def lesson_names(root: Path) -> list[str]:
 def pitfall_modules(root: Path) -> list[str]:
     """Module names (`per_replica_mean`, ...) of src/course/distgrad_course/pitfalls/, not
     `_private`."""
-    folder = root / "src" / "distgrad" / "pitfalls"
+    folder = root / "src" / "course" / "distgrad_course" / "pitfalls"
     return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
 
 

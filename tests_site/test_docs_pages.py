@@ -98,9 +98,9 @@ def tree(tmp_path):
     (tmp_path / "notebooks").mkdir()
     for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"):
         shutil.copyfile(path, tmp_path / "notebooks" / path.name)
-    pitfalls = tmp_path / "src" / "distgrad" / "pitfalls"
+    pitfalls = tmp_path / "src" / "course" / "distgrad_course" / "pitfalls"
     pitfalls.mkdir(parents=True)
-    for path in (ROOT / "src" / "distgrad" / "pitfalls").glob("*.py"):
+    for path in (ROOT / "src" / "course" / "distgrad_course" / "pitfalls").glob("*.py"):
         shutil.copyfile(path, pitfalls / path.name)
     return tmp_path
 
@@ -113,7 +113,7 @@ def _lesson_importing(tree, module: str) -> str:
 
 def test_pitfalls_check_names_an_unlisted_module_and_a_wrong_lesson(tree):
     assert claims.pitfalls_page_problems(tree) == []
-    (tree / "src" / "distgrad" / "pitfalls" / "brand_new.py").write_text('"""New."""\n')
+    (tree / "src" / "course" / "distgrad_course" / "pitfalls" / "brand_new.py").write_text('"""New."""\n')
     lesson = _lesson_importing(tree, "double_sum")
     source = tree / "notebooks" / f"{lesson}.py"
     # The lesson stops reproducing double_sum and starts reproducing mask_trick.

@@ -174,6 +174,12 @@ def test_markdown_code_blocks_have_copy_buttons(page):
 def test_api_reference_renders_docstrings(page):
     open_page(page, "api/")
     text = page.locator("article").inner_text()
+    for name in ("AccumulatingOptimizer", "BackupAndRestore", "ResumableFitModel",
+                 "finite_everywhere"):
+        assert name in text
+    assert "distgrad_course.pitfalls" not in text  # the course's page, below
+    open_page(page, "course-api/")
+    text = page.locator("article").inner_text()
     for name in ("distgrad_course.devices", "make_strategy", "distgrad_course.pitfalls",
                  "CapturedError"):
         assert name in text

@@ -37,9 +37,9 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
 
     Args:
         inner_optimizer: the optimizer that makes the update.
-        initial_scale: the initial loss scale (default 2**15).
-        dynamic_growth_steps: finite steps after which the scale doubles.
-        **kwargs: Keras' `LossScaleOptimizer` keyword arguments.
+        *args: Keras' `LossScaleOptimizer` arguments: `initial_scale` (default 2**15),
+            `dynamic_growth_steps` (finite steps after which the scale doubles).
+        **kwargs: the same, by keyword, and Keras' optimizer keyword arguments.
 
     State:
         Keras' (`dynamic_scale`, the step counter, the inner optimizer's variables), and
