@@ -151,7 +151,7 @@ LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort \
   $(patsubst notebooks/%,$(EXECUTED)/%,$(wildcard notebooks/*.ipynb)) $(wildcard tests/test_*.py)))
 unit-and-lessons: install copy-lessons
-	$(LESSONS_PYTEST) --dist loadfile --no-loadscope-reorder $(TEST_FILES) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
+	$(LESSONS_PYTEST) --dist loadfile --no-loadscope-reorder --durations=25 $(TEST_FILES) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 
 # Unit tests (incl. the .py/.ipynb pairing check), every lesson through nbmake, strict docs
 # build, then the built site in a real browser.

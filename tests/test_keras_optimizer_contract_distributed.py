@@ -65,7 +65,7 @@ def test_single_step_on_a_tf_variable(strategy2, k):
 
 def test_weight_decay_with_exclusions_set_on_the_inner_optimizer(strategy2):
     """Ports test_weight_decay, the exclusions given to the inner optimizer, which applies
-    the decay (`exclude_from_weight_decay` on the wrapper: test_keras_contract_gaps).
+    the decay (`exclude_from_weight_decay` on the wrapper: test_keras_optimizer_contract.py).
     Zero gradients isolate the decay: three optimizers decay var1, none var2 and var3."""
     zeros = np.zeros((), "float32")
     with strategy2.scope():

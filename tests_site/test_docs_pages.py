@@ -113,7 +113,8 @@ def _lesson_importing(tree, module: str) -> str:
 
 def test_pitfalls_check_names_an_unlisted_module_and_a_wrong_lesson(tree):
     assert claims.pitfalls_page_problems(tree) == []
-    (tree / "src" / "course" / "distgrad_course" / "pitfalls" / "brand_new.py").write_text('"""New."""\n')
+    pitfalls = tree / "src" / "course" / "distgrad_course" / "pitfalls"
+    (pitfalls / "brand_new.py").write_text('"""New."""\n')
     lesson = _lesson_importing(tree, "double_sum")
     source = tree / "notebooks" / f"{lesson}.py"
     # The lesson stops reproducing double_sum and starts reproducing mask_trick.
