@@ -1,23 +1,21 @@
-"""What a mid-epoch resume costs before its first trained batch: `BackupAndRestore` reads
-and drops the batches its backup holds.
+"""What a mid-epoch resume costs before its first trained batch, at batch 1,000: with the
+data iterator's saved state restored (one device, no strategy) and with the batches the
+backup holds read and dropped (under `MirroredStrategy`, whose iterator TensorFlow 2.21
+cannot save).
 
     .venv/bin/python -m benchmarks.resume_cost            # backup at batch 1,000, 5 rounds
     .venv/bin/python -m benchmarks.resume_cost --quick    # smoke size
 
-One process, `MirroredStrategy` on 2 logical CPUs, lesson 08's model
-(`AccumulatingOptimizer(Adam, 3)`) as a `ResumableFitModel`, over a `tf.data` pipeline of
-global batches of 8 whose map costs `map_work` chained `tf.sin` ops per example (0: a
-plain slice). For each map: one `fit` is stopped after batch `at` with a backup there;
-then, per round, a fresh model's `fit` resumes from a copy of that backup, and a fresh
-model's `fit` starts with no backup. Each is timed from `fit`'s call to the end of its
-first trained batch. The difference is the resume's cost; `read_ms_per_batch` is the
-pipeline alone, read in a loop. Prints one JSON object: per map, the medians and every
-round (the spread).
-
-Why not skip without reading: a `Dataset.skip(n)` after the map still runs the map on the
-n elements (measured here too: `skip_s`), and TensorFlow 2.21 cannot checkpoint the
-iterator `fit` reads under `MirroredStrategy` (`tf.train.Checkpoint(iterator=...)` raises:
-a `DistributedIterator` is not trackable).
+One process, lesson 08's model (`AccumulatingOptimizer(Adam, 3)`) as a
+`ResumableFitModel`, over a `tf.data` pipeline of global batches of 8 whose map costs
+`map_work` chained `tf.sin` ops per example (0: a plain slice); once with no strategy
+("restored") and once under `MirroredStrategy` on 1 CPU ("read and dropped"). For each:
+one `fit` is stopped after batch `at` with a backup there; then, per round, a fresh
+model's `fit` resumes from a copy of that backup, and a fresh model's `fit` starts with no
+backup. Each is timed from `fit`'s call to the end of its first trained batch; the
+difference of the medians is the resume's cost. `read_ms_per_batch`: the pipeline alone,
+read in a loop; `skip_s`: `Dataset.skip(at)` then one element (the map still runs on the
+skipped elements: skipping cannot avoid the reads). Prints one JSON object, every round.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ def timed_fit(strategy, backup_dir: str, data, stop_after: int) -> float:
     return ends[0] - start
 
 
-def measure(strategy, at: int, rounds: int, map_work: int) -> dict:
+def measure(strategy, at: int, rounds: int, map_work: int, position: str) -> dict:
     import tensorflow as tf
 
     from distgrad_course.lab import backup
@@ -104,7 +102,7 @@ def measure(strategy, at: int, rounds: int, map_work: int) -> dict:
     skip = time.perf_counter() - start
     tf.keras.backend.clear_session()
     resumed, fresh = resumed[1:], fresh[1:]
-    return {"map_work": map_work, "backup_at_batch": at,
+    return {"position": position, "map_work": map_work, "backup_at_batch": at,
             "resume_s_median": statistics.median(resumed),
             "fresh_s_median": statistics.median(fresh),
             "resume_cost_s": statistics.median(resumed) - statistics.median(fresh),
@@ -120,9 +118,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="backup at batch 50, 2 rounds")
     args = parser.parse_args(argv)
     at, rounds = (50, 2) if args.quick else (1000, 5)
-    strategy = make_strategy(2)
-    summary = {"replicas": 2, "rounds": rounds,
-               "maps": [measure(strategy, at, rounds, work) for work in (0, 200)]}
+    import tensorflow as tf
+
+    runs = {"restored": tf.distribute.get_strategy(), "read and dropped": make_strategy(1)}
+    summary = {"rounds": rounds, "runs": [measure(strategy, at, rounds, work, position)
+                                          for position, strategy in runs.items()
+                                          for work in (0, 200)]}
     print(json.dumps(summary, indent=1))
     return summary
 
