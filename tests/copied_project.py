@@ -1,7 +1,8 @@
-"""A user's project that copied three reference files and the `non_finite.py` they share.
+"""A user's project that copied three reference classes' files and what they share.
 
-Run as `python copied_project.py DIR` where DIR holds copies of `optimizer.py`,
-`accumulator.py`, `train_step.py` and `non_finite.py`. Importing `distgrad` raises here, so
+Run as `python copied_project.py DIR` where DIR holds copies of `optimizer.py` (with
+`optimizer_checks.py`, `inner_update.py`, `keras_loss_scale.py`), `accumulator.py`,
+`train_step.py` and `non_finite.py`. Importing `distgrad` raises here, so
 the copies must work alone. Trains each under a 2-replica MirroredStrategy and prints, as JSON,
 how far each is from one-device big-batch training (`allclose_ratio`).
 """

@@ -12,18 +12,27 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
-REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
+REFERENCE_FILES = ("optimizer.py", "optimizer_checks.py", "inner_update.py",
+                   "keras_loss_scale.py", "accumulator.py", "train_step.py", "mixed_precision.py",
                    "non_finite.py", "callbacks.py", "backup_and_restore.py", "backup_commit.py",
                    "fit_data.py", "preemption.py", "clipping.py", "normalization.py", "sparse.py",
-                   "multi_worker.py", "tf_keras/optimizer.py")
+                   "multi_worker.py", "tf_keras/optimizer.py", "tf_keras/optimizer_checks.py",
+                   "tf_keras/saved_state.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
 # A reference file copied together with another: it imports `distgrad.<module>`, or, copied
 # (no distgrad installed), `<module>` beside it. Its docstring says so.
 BACKUP_FILES = ("backup_and_restore", "backup_commit", "fit_data", "preemption")
 # The non-finite policy is defined once, in non_finite.py, copied with each class that uses it.
-NON_FINITE_USERS = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py")
+NON_FINITE_USERS = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
+                    "optimizer_checks.py", "inner_update.py")
+# AccumulatingOptimizer's files: what it refuses, the update a cycle makes, Keras' own
+# LossScaleOptimizer around it; tf-keras: what it refuses, what it saves (from tf_keras/).
+OPTIMIZER_FILES = ("optimizer_checks", "inner_update", "keras_loss_scale")
+TF_KERAS_FILES = ("optimizer_checks", "saved_state")
 COPIED_WITH = {"backup_and_restore.py": BACKUP_FILES[1:],
-               **{name: ("non_finite",) for name in NON_FINITE_USERS}}
+               **{name: ("non_finite",) for name in NON_FINITE_USERS},
+               "optimizer.py": ("non_finite", *OPTIMIZER_FILES),
+               "tf_keras/optimizer.py": TF_KERAS_FILES}
 
 
 @pytest.mark.parametrize("name", REFERENCE_FILES)
@@ -37,8 +46,9 @@ def test_reference_module_imports_only_tensorflow_keras_numpy_and_the_stdlib(nam
             assert node.level == 0, f"{name} has a relative import"
             roots.add(node.module.split(".")[0])
             if name in COPIED_WITH and node.module.startswith("distgrad"):
-                companions = {alias.name for alias in node.names} if node.module == "distgrad" \
-                    else {node.module.removeprefix("distgrad.")}  # or distgrad.<file>
+                package = node.module in ("distgrad", "distgrad.tf_keras")
+                companions = {alias.name for alias in node.names} if package \
+                    else {node.module.rsplit(".", 1)[-1]}  # or distgrad[.tf_keras].<file>
                 assert companions <= set(COPIED_WITH[name]), node.module
     companions = COPIED_WITH.get(name, ())
     allowed = ALLOWED | ({"distgrad", *companions} if companions else set())
@@ -88,7 +98,8 @@ def test_backup_and_restore_copied_with_its_companions_backs_up_without_distgrad
 
 
 def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path):
-    for name in ("optimizer.py", "accumulator.py", "train_step.py", "non_finite.py"):
+    for name in ("optimizer.py", "accumulator.py", "train_step.py", "non_finite.py",
+                 *(f"{companion}.py" for companion in OPTIMIZER_FILES)):
         shutil.copy(SRC / name, tmp_path / name)
     done = subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).with_name("copied_project.py")),
@@ -105,7 +116,8 @@ def test_the_copied_tf_keras_file_trains_under_tf_keras_equal_to_big_batch(tmp_p
     from distgrad_course.lab.data import regression_data
     from distgrad_course.lab.legacy import run_legacy
 
-    shutil.copy(SRC / "tf_keras" / "optimizer.py", tmp_path / "optimizer.py")
+    for name in ("optimizer", *TF_KERAS_FILES):
+        shutil.copy(SRC / "tf_keras" / f"{name}.py", tmp_path / f"{name}.py")
     x, y = regression_data(32)
     path = f"{tmp_path}{os.pathsep}{pathlib.Path(__file__).parent}"
     runs = run_legacy("tf_keras_children:fit_equivalence", 2, env={"PYTHONPATH": path},

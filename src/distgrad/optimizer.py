@@ -1,37 +1,38 @@
 """`AccumulatingOptimizer`: gradient accumulation as a Keras 3 optimizer wrapper.
 
-Copy this file with `non_finite.py` (the non-finite policy it shares): it imports only
-TensorFlow, Keras and `distgrad.non_finite`, or, copied into a project, `non_finite`.
+Copy this file with `non_finite.py` (the non-finite policy it shares), `optimizer_checks.py`
+(what it refuses), `inner_update.py` (the update a cycle makes) and `keras_loss_scale.py`
+(Keras' own `LossScaleOptimizer` around it): it imports only TensorFlow, Keras and
+`distgrad.<those>`, or, copied into a project, `<those>`.
 Design notes: docs/design.md, "AccumulatingOptimizer".
 """
 
 from __future__ import annotations
 
-import gc
-import math
 import warnings
-import weakref
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext  # XLA or not
-from tensorflow.python.ops.control_flow_v2_func_graphs import CondBranchFuncGraph
 
 try:
+    from distgrad import inner_update, keras_loss_scale, optimizer_checks
+    from distgrad.inner_update import overwritten
     from distgrad.non_finite import (
         CLIP_OPTIONS,
         all_finite,
         check_can_raise,
-        check_policy,
         finite_everywhere,
         finite_on_all_replicas,
     )
-except ImportError:  # copied into a project: non_finite.py beside this file
+except ImportError:  # copied into a project: those files beside this one
+    import inner_update
+    import keras_loss_scale
+    import optimizer_checks
+    from inner_update import overwritten
     from non_finite import (
         CLIP_OPTIONS,
         all_finite,
         check_can_raise,
-        check_policy,
         finite_everywhere,
         finite_on_all_replicas,
     )
@@ -43,111 +44,13 @@ if any(tuple(map(int, m.__version__.split(".")[:2])) < NEEDED[m.__name__] for m 
                       f"TensorFlow {tf.__version__} and Keras {keras.__version__}: "
                       "pip install -U 'tensorflow>=2.16' 'keras>=3.10'")
 
+STOCK_WRAPPER_MESSAGE = keras_loss_scale.STOCK_WRAPPER_MESSAGE  # lesson 04 reads it here
+UNFOUND_WRAPPER_MESSAGE = keras_loss_scale.UNFOUND_WRAPPER_MESSAGE
 _NOTHING, _APPLIED, _SKIPPED = 0, 1, 2  # what a call did to the cycle (no-merge-call path)
 
 
 def _unused_learning_rate():  # a callable: BaseOptimizer creates no variable for it;
     return 0.0  # `learning_rate` reads and writes the inner optimizer's
-
-
-def _describe(strategy) -> str:
-    if strategy is None or type(strategy).__name__ == "_DefaultDistributionStrategy":
-        return "no strategy" + ("" if strategy is None else " (the default strategy)")
-    return f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)"
-
-
-def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) -> None:
-    if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
-            or accumulation_steps < 1):
-        raise ValueError("accumulation_steps must be an integer >= 1 (the micro-batches per "
-                         f"update), got {accumulation_steps!r}.")
-    check_policy(non_finite)
-    if kwargs:
-        raise ValueError(f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on the "
-                         "inner optimizer (the wrapper then clips the all-reduced gradient).")
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        kind = type(inner_optimizer)
-        fix = (f"keras.optimizers.get({inner_optimizer!r})" if isinstance(inner_optimizer, str)
-               else "e.g. keras.optimizers.SGD / Adam / AdamW")
-        raise TypeError(f"Pass {fix}: AccumulatingOptimizer wraps a Keras 3 optimizer, got "
-                        f"{kind.__name__} from {kind.__module__} (not tf.compat.v1 optimizers; "
-                        "tf-keras ones go in distgrad.tf_keras.AccumulatingOptimizer).")
-    if steps := getattr(inner_optimizer, "gradient_accumulation_steps", None):
-        raise ValueError("Create the inner optimizer without gradient_accumulation_steps (it "
-                         f"has {steps}): AccumulatingOptimizer(accumulation_steps=) accumulates.")
-
-
-# Keras' own LossScaleOptimizer around it on 2+ replicas, refused in `build`.
-STOCK_WRAPPER_MESSAGE = (
-    "Under mixed_float16 on {replicas} replicas, hand model.compile the loss-scale wrapper "
-    "yourself: model.compile(optimizer=distgrad.AllReplicasFiniteLossScaleOptimizer("
-    "distgrad.AccumulatingOptimizer(inner, accumulation_steps)), ...) (a custom loop wraps "
-    "it the same way). Keras' own LossScaleOptimizer around it (compile adds one) checks "
-    "replica 0's gradients only: distgrad lesson 04 "
-    "(notebooks/04_loss_scale_optimizer_pitfall.py).")
-# Keras' wrapper on one replica, when it cannot be found to read its loss scale.
-UNFOUND_WRAPPER_MESSAGE = (
-    "Under mixed_float16, hand model.compile the loss-scale wrapper yourself: "
-    "model.compile(optimizer=distgrad.AllReplicasFiniteLossScaleOptimizer("
-    "distgrad.AccumulatingOptimizer(inner, accumulation_steps)), ...). Keras' "
-    "LossScaleOptimizers found around this AccumulatingOptimizer: {found}, or it was built "
-    "before one wrapped it; so it could not count the micro-batches a wrapper skips.")
-# Steps Keras traces that cannot run on several replicas (see `_unrunnable_step`).
-STEPS_PER_EXECUTION_MESSAGE = (
-    "Compile with steps_per_execution=1 (accumulation already cuts the all-reduces per "
-    "example k-fold): AccumulatingOptimizer's step, traced in a tf.cond branch as "
-    "steps_per_execution > 1 builds it, cannot run on {replicas} replicas, where TensorFlow "
-    "does not feed its all-reduce its key (stock Keras, plain Adam too). "
-    "https://github.com/keras-team/keras/issues/19246")
-JIT_COMPILE_MESSAGE = (
-    "Compile with jit_compile=False (what Keras' default, \"auto\", picks under "
-    "tf.distribute): AccumulatingOptimizer's XLA-compiled step cannot run on {replicas} "
-    "replicas that are not all GPUs, as one XLA cluster cannot reach the other device's "
-    "variables (stock Keras, plain Adam too). https://github.com/keras-team/keras/issues/19005")
-
-def _called_from_a_cond_branch() -> bool:
-    """True if the function being traced is called, directly or through its callers, from
-    a `tf.cond` branch (docs/design.md)."""
-    graph = tf.compat.v1.get_default_graph()
-    while getattr(graph, "is_control_flow_graph", False):
-        graph = graph.outer_graph
-    graph = getattr(graph, "outer_graph", None)
-    while graph is not None:
-        if isinstance(graph, CondBranchFuncGraph):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
-
-
-def _unrunnable_step(replicas: int) -> str | None:
-    """The message for a step traced here that cannot run on `replicas` replicas, or None
-    (stock Keras failures, caught at trace time; XLA on GPUs is left alone)."""
-    if replicas < 2:
-        return None
-    if _called_from_a_cond_branch():
-        return STEPS_PER_EXECUTION_MESSAGE.format(replicas=replicas)
-    if (GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-            and not tf.__internal__.distribute.strategy_supports_no_merge_call()):
-        return JIT_COMPILE_MESSAGE.format(replicas=replicas)
-    return None
-
-
-def _loss_scale_optimizers_around(optimizer) -> list:
-    """Keras' LossScaleOptimizers whose inner optimizer is `optimizer`, found among its
-    referrers (directly, or through an instance's `__dict__`): docs/design.md."""
-    referrers = gc.get_referrers(optimizer)
-    dicts = [r for r in referrers if isinstance(r, dict)]
-    found = []
-    for candidate in referrers + (gc.get_referrers(*dicts) if dicts else []):
-        if (isinstance(candidate, keras.optimizers.LossScaleOptimizer)
-                and vars(candidate).get("inner_optimizer") is optimizer
-                and not any(candidate is f for f in found)):
-            found.append(candidate)
-    return found
-
-
-def _overwritten(variable) -> bool:  # float8 scales and amax histories: assigned, not stepped
-    return getattr(variable, "overwrite_with_gradient", False)
 
 
 @keras.saving.register_keras_serializable(package="distgrad")
@@ -156,8 +59,10 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
 
     Every k-th call of `apply_gradients` updates the inner optimizer with the mean of the
     k accumulated gradients, in `fit` and custom loops, with or without a strategy: `n * k`
-    calls equal `n` big-batch updates, with one gradient all-reduce per update. Create it
-    under the scope the model trains in.
+    calls equal `n` big-batch updates. Create it under the scope the model trains in; under
+    `mixed_float16`, compile `AllReplicasFiniteLossScaleOptimizer(AccumulatingOptimizer(
+    inner, k))`. An incomplete cycle carries on into the next epoch; `flush()` applies it
+    and `discard()` drops it (see `AccumulationCallback`). Design: docs/design.md.
 
     Args:
         inner_optimizer: the Keras 3 optimizer that updates. Its clipping options move to
@@ -165,53 +70,28 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         accumulation_steps: k, the micro-batches per update (`1` updates every call).
         non_finite: a cycle with NaN/Inf gradients on any replica. "raise" (default): the
             call ending it fails with `tf.errors.InvalidArgumentError`, nothing applied.
-            "skip": no update, accumulators zeroed, counted in `skipped_updates`. Under a
-            loss-scale wrapper the cycle is always skipped and counted.
+            "skip": no update, counted in `skipped_updates` (a loss-scale wrapper: always).
         name: optimizer name.
 
-    State (optimizer variables, saved by `model.save` and `tf.train.Checkpoint`):
-        accumulators: replica-local (ON_READ, SUM) float32 gradient sums (float64 for
-            float64 variables); a checkpoint holds their sum over replicas.
-        micro_steps: micro-batches of the current cycle, `0 <= n < k`.
-        total_micro_steps: micro-batches accumulated, never reset.
-        skipped_updates: cycles dropped as non-finite; a `fit` that dropped some ends with
-            a `UserWarning`.
-        skipped_micro_batches: inside Keras' own `LossScaleOptimizer` on one replica only:
-            the micro-batches it skipped (warned of at the end of `fit`).
-        iterations: the inner optimizer's: updates (schedules, Adam and EMA count those).
-
-    Example:
-
-    ```python
-    with strategy.scope():
-        model = make_model()
-        model.compile(optimizer=AccumulatingOptimizer(keras.optimizers.Adam(1e-3),
-                                                      accumulation_steps=4), loss="mse")
-    model.fit(dataset, epochs=3)  # one update every 4 batches
-    ```
-
-    Under `mixed_float16`, compile `AllReplicasFiniteLossScaleOptimizer(
-    AccumulatingOptimizer(inner, k))`. An incomplete cycle carries on into the next epoch;
-    `flush()` applies it now and `discard()` drops it (see `AccumulationCallback`).
+    State (saved by `model.save` and `tf.train.Checkpoint`): `accumulators`, `micro_steps`
+    (`0 <= n < k`), `total_micro_steps`, `skipped_updates` and, inside Keras' own
+    `LossScaleOptimizer` on one replica, `skipped_micro_batches` (both warned of at the end
+    of `fit`); `iterations` is the inner optimizer's (updates).
 
     Raises:
-        ValueError: bad `accumulation_steps` / `non_finite`; an inner optimizer that
-            accumulates itself; clipping, weight decay, EMA... given to the wrapper;
-            (`build`) Keras' own `LossScaleOptimizer` around it on 2+ replicas; (first
-            step) "raise" under XLA; on 2+ replicas, `steps_per_execution > 1`, and
-            `jit_compile=True` on devices that are not all GPUs.
+        ValueError: bad arguments, or a step it cannot run (`distgrad.optimizer_checks`);
+            Keras' own `LossScaleOptimizer` around it on 2+ replicas; "raise" under XLA.
         TypeError: `inner_optimizer` is not a Keras 3 optimizer.
         RuntimeError: (`build` / `apply`) not all under the same distribution strategy.
         tf.errors.InvalidArgumentError: (run time) a non-finite cycle under "raise".
     """
 
-    # Set to True by a loss-scale wrapper that skips a step unless *every* replica's
-    # gradients are finite (distgrad's AllReplicasFiniteLossScaleOptimizer does).
+    # True inside a loss-scale wrapper that checks every replica (AllReplicasFinite...).
     overflow_checked_on_every_replica = False
 
     def __init__(self, inner_optimizer, accumulation_steps, non_finite="raise", name=None,
                  **kwargs):
-        _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs)
+        optimizer_checks.check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs)
         super().__init__(learning_rate=_unused_learning_rate, name=name)
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
@@ -219,7 +99,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._built_under, self._under_loss_scaling = None, False
         self._skips_reported = None  # `skipped_updates` when the step was traced / last fit
         self.micro_steps = self.skipped_updates = None  # variables, created by `build`
-        # Inside Keras' own wrapper on one replica (see `_check_loss_scale_wrapper`).
+        # Inside Keras' own wrapper on one replica (see keras_loss_scale.py).
         self._stock_wrapper = self.skipped_micro_batches = self._next_loss_scale = None
         self._micro_skips_reported = None  # `skipped_micro_batches` at the first trace / fit
         for option in CLIP_OPTIONS:
@@ -273,18 +153,12 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         """Create accumulators and counters, under the strategy everything was created in
         (and refuse Keras' own `LossScaleOptimizer` around it on 2+ replicas)."""
-        self._check_loss_scale_wrapper()  # every call: the wrapper builds its inner one too
+        # Every call: Keras' wrapper builds its inner one too.
+        keras_loss_scale.check_loss_scale_wrapper(self)
         if self.built:
             return
         strategy = tf.distribute.get_strategy()
-        inner_strategy = getattr(self.inner_optimizer, "_distribution_strategy", strategy)
-        for who, created_under in (("AccumulatingOptimizer", self._distribution_strategy),
-                                   ("its inner optimizer", inner_strategy)):
-            if created_under is not strategy:
-                raise RuntimeError(
-                    "Create the model, the inner optimizer and the AccumulatingOptimizer inside "
-                    f"the same `with strategy.scope():` block: {who} was created under "
-                    f"{_describe(created_under)} but is built under {_describe(strategy)}.")
+        optimizer_checks.check_built_under(self, strategy)
         super().build(var_list)
         self._accumulators = []
         with keras.name_scope(self.name, caller=self):
@@ -306,14 +180,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 (), initializer="zeros", dtype=self._iterations.dtype,
                 aggregation="only_first_replica", name="skipped_updates")
             if self._stock_wrapper is not None:
-                self.skipped_micro_batches = self.add_variable(
-                    (), initializer="zeros", dtype=self._iterations.dtype,
-                    aggregation="only_first_replica", name="skipped_micro_batches")
-                # The wrapper's scale as the last micro-batch left it: each skip halves it.
-                self._next_loss_scale = self.add_variable(
-                    (), initializer=keras.initializers.Constant(
-                        self._stock_wrapper().initial_scale),
-                    dtype="float32", aggregation="only_first_replica", name="next_loss_scale")
+                keras_loss_scale.add_skip_counters(self)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self._built_under = strategy
@@ -332,16 +199,11 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        self._check_context()
-        self._check_step()
-        self._check_loss_scale_wrapper()
+        optimizer_checks.check_step(self._built_under)
+        keras_loss_scale.check_loss_scale_wrapper(self)
         self._check_variables_are_known(trainable_variables)
         if self._stock_wrapper is not None:
-            if self._micro_skips_reported is None:  # the first trace: a restored count is old
-                with tf.init_scope():
-                    self._micro_skips_reported = int(
-                        keras.ops.convert_to_numpy(self.skipped_micro_batches))
-            self._count_stock_wrapper_skips()
+            keras_loss_scale.count_skips(self)
         if self._skips_reported is None:  # the first trace: a restored count is not news
             self._skips_reported = self._skipped_now()
         # BaseOptimizer's filter: ValueError if no gradient at all, Keras' warning if some.
@@ -350,7 +212,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
             for grad, variable in zip(grads, variables):  # replica-local: no communication
                 accumulator = self._accumulator_of(variable)  # IndexedSlices: densified
                 grad = tf.cast(tf.convert_to_tensor(grad), accumulator.dtype)
-                if _overwritten(variable):  # as Keras' built-in: a big batch's amax is the max
+                if overwritten(variable):  # as Keras' built-in: a big batch's amax is the max
                     self.assign(accumulator, tf.maximum(accumulator, grad))
                 else:
                     self.assign_add(accumulator, grad)
@@ -359,21 +221,18 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def flush(self):
         """Apply the incomplete cycle, if any, as the mean of its `micro_steps` micro-batches
         (non-finite policy included). Outside `strategy.run`: eagerly or atop a tf.function."""
-        if (strategy := self._strategy_outside_run("flush")) is not None:
-            (tf.function(strategy.run) if tf.executing_eagerly() else strategy.run)(
+        optimizer_checks.check_outside_run("flush")
+        if self.built:
+            run = self._built_under.run
+            (tf.function(run) if tf.executing_eagerly() else run)(
                 lambda: self._end_cycle(self._trainable_variables, flush=True))
 
     def discard(self):
         """Drop the incomplete cycle (not a skipped update). Call it as `flush`."""
-        if self._strategy_outside_run("discard") is not None:
+        optimizer_checks.check_outside_run("discard")
+        if self.built:
             self._reset_accumulators(self._trainable_variables)
             self.micro_steps.assign(0)
-
-    def _strategy_outside_run(self, what):
-        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-            raise ValueError(f"AccumulatingOptimizer.{what}() must be called outside "
-                             "strategy.run (in cross-replica context), e.g. eagerly.")
-        return self._built_under if self.built else None
 
     def _end_cycle(self, variables, flush=False):
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
@@ -439,85 +298,13 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def _apply_accumulated(self, variables, divisor):
         # Replica context: this replica's share of the mean gradient (overwritten: the max).
         grads = [tf.convert_to_tensor(self._accumulator_of(v)) for v in variables]
-        grads = [tf.cast(g if _overwritten(v) else g / tf.cast(divisor, g.dtype), v.dtype)
-                 for g, v in zip(grads, variables)]
-        overwritten = [_overwritten(v) for v in variables]
-        context = tf.distribute.get_replica_context()
-        if any(overwritten) and context is not None and context.num_replicas_in_sync > 1:
-            grads = [tf.reduce_max(context.all_gather(g[None], axis=0), axis=0) if o else g
-                     for g, o in zip(grads, overwritten)]  # ReduceOp has no MAX: gather
-        rest = [i for i, o in enumerate(overwritten) if not o]  # Keras clips those only
-        if rest and any(getattr(self, option) for option in CLIP_OPTIONS):
-            for i, clipped in zip(rest, self._clip_across_replicas([grads[i] for i in rest])):
-                grads[i] = clipped
-        inner = self.inner_optimizer
-        if not tf.__internal__.distribute.strategy_supports_no_merge_call():
-            inner.apply(grads, variables)
-        else:  # BaseOptimizer.apply without its `iterations` increment (docs/design.md)
-            grads, variables = inner._overwrite_variables_directly_with_gradients(
-                grads, variables)
-            if grads:
-                if inner.loss_scale_factor is not None:
-                    grads = [g / inner.loss_scale_factor for g in grads]
-                inner._backend_apply_gradients(grads, variables)
-                for variable in variables:
-                    if variable.constraint is not None:
-                        variable.assign(variable.constraint(variable))
+        inner_update.apply_to_inner(self, [
+            tf.cast(g if overwritten(v) else g / tf.cast(divisor, g.dtype), v.dtype)
+            for g, v in zip(grads, variables)], variables)
         self._reset_accumulators(self._trainable_variables)
-
-    def _clip_across_replicas(self, local_grads):
-        # Clip the summed gradient on replica 0, zeros elsewhere: the inner update SUMs again.
-        context = tf.distribute.get_replica_context()
-        clipped = self._clip_gradients(context.all_reduce(tf.distribute.ReduceOp.SUM, local_grads))
-        is_first = tf.equal(context.replica_id_in_sync_group, 0)
-        return [tf.where(is_first, c, tf.zeros_like(c)) for c in clipped]
 
     def _accumulator_of(self, variable):
         return self._accumulators[self._get_variable_index(variable)]
-
-    def _check_context(self):
-        if tf.distribute.get_strategy() is not self._built_under:
-            raise RuntimeError(
-                "Call apply_gradients inside strategy.run(...) of the strategy it was built "
-                "under (model.fit does), or create a new model and optimizer inside the other "
-                f"strategy's scope(): AccumulatingOptimizer was built under "
-                f"{_describe(self._built_under)} but apply_gradients is called under "
-                f"{_describe(tf.distribute.get_strategy())}.")
-        if tf.distribute.in_cross_replica_context():
-            raise ValueError("Call apply_gradients inside strategy.run(step_fn, ...) (or through "
-                             "model.fit): AccumulatingOptimizer.apply_gradients must be called "
-                             "in replica context, not directly under strategy.scope().")
-
-    def _check_step(self):
-        if message := _unrunnable_step(tf.distribute.get_strategy().num_replicas_in_sync):
-            raise ValueError(message)
-
-    def _check_loss_scale_wrapper(self):
-        # In `build` (before any weight moves), and in `apply` (docs/design.md).
-        if not self._under_loss_scaling or self.overflow_checked_on_every_replica:
-            return
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas > 1:
-            raise ValueError(STOCK_WRAPPER_MESSAGE.format(replicas=replicas))
-        if self._stock_wrapper is None:
-            wrappers = _loss_scale_optimizers_around(self)
-            if len(wrappers) != 1:  # one left over from an earlier compile, not collected?
-                gc.collect()
-                wrappers = _loss_scale_optimizers_around(self)
-            if len(wrappers) != 1 or self.built:  # built alone: no counter for its skips
-                raise ValueError(UNFOUND_WRAPPER_MESSAGE.format(found=len(wrappers)))
-            self._stock_wrapper = weakref.ref(wrappers[0])  # no checkpoint dependency
-
-    def _count_stock_wrapper_skips(self, end_of_fit=False):
-        # Each skip halves the wrapper's scale: the halvings since the last call count them.
-        wrapper = self._stock_wrapper()
-        scale = tf.convert_to_tensor(wrapper.dynamic_scale)
-        skipped = tf.math.log(self._next_loss_scale / scale) / math.log(2.0)
-        self.skipped_micro_batches.assign_add(tf.cast(tf.round(skipped), tf.int64))
-        if not end_of_fit:  # then this call's own step: doubles the scale after enough
-            scale = tf.where(tf.equal(wrapper.step_counter, wrapper.dynamic_growth_steps - 1),
-                             2.0 * scale, scale)
-        self._next_loss_scale.assign(scale)
 
     def set_weights(self, weights):  # `variables`: the wrapper's, then the inner optimizer's
         weights, own = list(weights), len(self._variables)
@@ -534,7 +321,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         if self.skipped_updates is None:
             return
         if self._stock_wrapper is not None:
-            self._warn_of_stock_wrapper_skips()
+            keras_loss_scale.warn_of_skips(self)
         skipped, before = self._skipped_now(), self._skips_reported
         if before is not None and skipped > before:
             warnings.warn(
@@ -542,20 +329,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                 f"({skipped} in all, `optimizer.skipped_updates`): their cycle's gradients "
                 "were NaN/Inf on some replica, and nothing was applied.", stacklevel=2)
         self._skips_reported = skipped
-
-    def _warn_of_stock_wrapper_skips(self):
-        self._count_stock_wrapper_skips(end_of_fit=True)  # the skips after the last call
-        skipped = int(keras.ops.convert_to_numpy(self.skipped_micro_batches))
-        before = self._micro_skips_reported or 0
-        if skipped > before:
-            scale = float(self._stock_wrapper().dynamic_scale.numpy())
-            warnings.warn(
-                f"AccumulatingOptimizer: {skipped - before} micro-batch(es) skipped in this fit "
-                f"({skipped} in all, `skipped_micro_batches`): their gradients overflowed, "
-                f"and Keras' LossScaleOptimizer halved its scale each time (now {scale:g}). A "
-                "few are expected while the scale comes down from its initial value.",
-                stacklevel=3)
-        self._micro_skips_reported = skipped
 
     def _skipped_now(self) -> int:
         with tf.init_scope():  # eager, also while a step is being traced

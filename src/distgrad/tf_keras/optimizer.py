@@ -9,8 +9,10 @@
 Under `mixed_float16`, `compile` wraps it in tf-keras' `LossScaleOptimizer`; wrapping by
 hand, the order is `LossScaleOptimizer(AccumulatingOptimizer(inner, k))`, never the other.
 
-This file imports only TensorFlow: copy it into a tf-keras project and use it alone, under
-any name but `tf_keras.py` (which would shadow the tf-keras package). The Keras 3 class is
+Copy it into a tf-keras project with `saved_state.py` (what it saves and restores) and
+`optimizer_checks.py` (what it refuses), both from `distgrad/tf_keras/`: it imports only
+TensorFlow and `distgrad.tf_keras.<those>`, or, copied, `<those>`.
+Any name but `tf_keras.py` (which would shadow the tf-keras package). The Keras 3 class is
 `distgrad/optimizer.py`; a Keras 3 process cannot import this one.
 """
 
@@ -20,75 +22,21 @@ import warnings
 
 import tensorflow as tf
 
-# Where tf.keras.Model lives in Keras 2: tf-keras (tested: 2.15-2.21), or the `keras` 2.x of
-# TensorFlow <= 2.15 (tested: TensorFlow 2.15.1's Keras 2.15.0, by `make matrix TF=2.15`).
-KERAS_2_PACKAGES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
-NON_FINITE_POLICIES = ("raise", "skip")
+try:
+    from distgrad.tf_keras import optimizer_checks
+    from distgrad.tf_keras.saved_state import SavedState
+except ImportError:  # copied into a project: those files beside this one
+    import optimizer_checks
+    from saved_state import SavedState
+
 NON_FINITE_MESSAGE = ("AccumulatingOptimizer: NaN/Inf gradients on some replica in the cycle "
                       "of update")
 NON_FINITE_HINT = ("(total_micro_steps); nothing applied. non_finite='skip' would drop and "
                    "count it.")
 
 
-def _tf_keras():
-    """`tf.keras` if it is Keras 2 (tf-keras, or TensorFlow 2.15's Keras), else ImportError."""
-    try:
-        keras, model_module = tf.keras, tf.keras.Model.__module__
-    except (ImportError, AttributeError) as err:  # TF_USE_LEGACY_KERAS=1 without tf-keras
-        raise ImportError(f"tf.keras cannot be imported ({err}): `pip install tf-keras` (the "
-                          "same minor version as tensorflow).") from None
-    if not model_module.startswith(KERAS_2_PACKAGES):
-        raise ImportError(
-            f"This AccumulatingOptimizer is for tf-keras (Keras 2), but tf.keras is Keras 3 "
-            f"here ({model_module}). Set the environment variable TF_USE_LEGACY_KERAS=1 "
-            "before TensorFlow is imported (and `pip install tf-keras`), or, for Keras 3, "
-            "use distgrad.AccumulatingOptimizer (distgrad/optimizer.py).")
-    return keras
-
-
-keras = _tf_keras()
+keras = optimizer_checks.tf_keras()
 OptimizerV2 = keras.optimizers.legacy.Optimizer  # the era's optimizers (tf.keras before 2.11)
-
-
-def _describe(strategy) -> str:
-    named = strategy is not None and type(strategy).__name__ != "_DefaultDistributionStrategy"
-    return (f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)"
-            if named else "no strategy")
-
-
-def _created_under(optimizer, strategy):
-    owner = getattr(optimizer, "_distribution_strategy", strategy)
-    if owner is None:  # an OptimizerV2 created outside every strategy scope
-        return None if tf.distribute.has_strategy() else strategy
-    return owner
-
-
-def _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) -> None:
-    if type(accumulation_steps) is not int or accumulation_steps < 1:
-        raise ValueError("accumulation_steps must be an integer >= 1 (micro-batches per "
-                         f"update), got {accumulation_steps!r}.")
-    if non_finite not in NON_FINITE_POLICIES:
-        raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
-    if kwargs:
-        raise ValueError(f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on "
-                         "the inner optimizer (tf-keras clips after its all-reduce, once per "
-                         "update).")
-    if isinstance(inner_optimizer, keras.mixed_precision.LossScaleOptimizer):
-        raise TypeError("Wrap the other way round: LossScaleOptimizer(AccumulatingOptimizer("
-                        "inner, k)) (model.compile does it under mixed_float16), so that each "
-                        "micro-batch is unscaled and checked before it is accumulated.")
-    if not isinstance(inner_optimizer, (keras.optimizers.Optimizer, OptimizerV2)):
-        kind = type(inner_optimizer)
-        raise TypeError(f"AccumulatingOptimizer wraps a tf-keras optimizer instance, got "
-                        f"{kind.__name__} from {kind.__module__}. Pass e.g. "
-                        "tf.keras.optimizers.Adam(...) or tf.keras.optimizers.legacy.SGD(...).")
-
-
-class _CallableList(list):
-    """A list that is also `opt.variables()`, as tf-keras' own optimizers allow."""
-
-    def __call__(self):
-        return self
 
 
 class _Untracked:
@@ -99,13 +47,15 @@ class _Untracked:
 
 
 @keras.utils.register_keras_serializable(package="distgrad")
-class AccumulatingOptimizer(keras.optimizers.Optimizer):
+class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
     """Accumulate `accumulation_steps` micro-batch gradients, then update `inner_optimizer`.
 
     tf-keras (Keras 2). Every k-th call of `apply_gradients` updates the inner optimizer with
     the *mean* of the k accumulated gradients: in `model.fit` (the stock `train_step` or
     one calling `apply_gradients`) and custom loops, under `MirroredStrategy` or without a
-    strategy. Create the model, the inner optimizer and this wrapper under one scope.
+    strategy. `n * k` calls equal `n` steps on k-times larger batches, with one gradient
+    all-reduce per update. Create the model, the inner optimizer and this wrapper under one
+    scope. Design notes: docs/design.md.
 
     Args:
         inner_optimizer: the tf-keras optimizer that updates: `tf.keras.optimizers.*`, or
@@ -120,67 +70,34 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         name: optimizer name.
 
     Mixed precision: `LossScaleOptimizer(AccumulatingOptimizer(inner, k))`, the wrapper
-    `compile` adds under `mixed_float16`, and what the question's `train_step` expects
-    (`get_scaled_loss` / `get_unscaled_gradients` on `model.optimizer`). The loss scale
-    wrapper unscales each micro-batch with the scale it was computed with and checks it
-    before it is accumulated; `aggregate_gradients`, which it calls first, shares every
-    replica's finiteness (one element all-reduced), so an overflow on any replica skips
-    that micro-batch on every replica and halves the scale once. The cycle then waits for
-    k finite micro-batches.
+    `compile` adds under `mixed_float16`. It unscales and checks each micro-batch before
+    it is accumulated; an overflow on any replica skips that micro-batch on every replica
+    (`aggregate_gradients`) and halves the scale once. The cycle waits for k finite ones.
 
-    State (tracked: `tf.train.Checkpoint` and `model.save` (`.keras`, or `.h5` without loss
-    scaling) save and restore it, and the dynamic loss scale of a wrapping
-    `LossScaleOptimizer`, which `model.save` alone would reset):
-        accumulators: replica-local (ON_READ, SUM) float32 sums (float64 for float64
-            variables); a checkpoint holds their sum over replicas and restores
-            sum / R on every replica, so a restored cycle ends with the same update.
-        micro_steps: micro-batches of the current cycle, `0 <= n < k`.
-        total_micro_steps: micro-batches accumulated, never reset.
-        skipped_updates: cycles dropped as non-finite ("skip").
-        iterations: updates made, plus the micro-batches a wrapping `LossScaleOptimizer`
-            skipped (tf-keras counts a skipped step: its `do_not_apply_fn`).
-            `inner_optimizer.iterations` counts updates only (Adam, schedules, EMA).
-        skipped_micro_batches: (read-only) `iterations - inner_optimizer.iterations`.
-        Nothing skipped is silent: a `fit` that skipped updates or micro-batches ends
-        with a `UserWarning` that counts them.
-        `variables`: the wrapper's, the inner optimizer's, then a wrapping
-            `LossScaleOptimizer`'s loss scale and good-step counter. Under a
-            `LossScaleOptimizer` it leaves out the accumulators: that wrapper restores
-            `variables` itself by plain assignment, which a SUM variable under a strategy
-            cannot take from a file; this optimizer's own `save_own_variables` /
-            `load_own_variables` keep them (see `accumulators`).
-
-    Saving and loading: `import distgrad` registers this class with tf-keras. A
-    `mixed_float16` model is compiled with a `LossScaleOptimizer` on load only when the
-    global policy is `mixed_float16` (tf-keras wraps in `compile`): set it before
-    `load_model`, or the load raises a `ValueError` that says so. `.h5` is tested in
-    float32; under `mixed_float16` use `.keras` (tf-keras' `.h5` loader restores an
-    optimizer's state with `set_weights`, which its `LossScaleOptimizerV3` lacks).
-
-    Invariants: `n * k` calls equal `n` inner updates with the mean gradient of each k
-    micro-batches, i.e. (with `fit`'s per-replica loss scaling) `n` steps on k-times
-    larger batches. One gradient all-reduce per update (the inner optimizer's, in the
-    `tf.cond` branch that applies the cycle); under a `LossScaleOptimizer`, one more of
-    one element per micro-batch (the finiteness flag). An incomplete cycle stays in the
-    accumulators (and in a checkpoint) until later calls complete it.
+    State (`tf.train.Checkpoint` and `model.save`: `distgrad.tf_keras.saved_state`):
+    `accumulators`, `micro_steps` (`0 <= n < k`), `total_micro_steps`, `skipped_updates`;
+    `iterations`: updates plus the micro-batches a wrapping `LossScaleOptimizer` skipped
+    (`skipped_micro_batches`); `inner_optimizer.iterations` counts updates only. A `fit`
+    that skipped updates or micro-batches ends with a `UserWarning` that counts them.
+    `import distgrad` registers this class with tf-keras.
 
     Raises:
         ValueError: bad `accumulation_steps` / `non_finite`; clipping or other options
             given to the wrapper; `skip_gradients_aggregation=True` (it all-reduces once
-            per update itself); 2+ replicas without merge_call (an XLA-compiled step).
+            per update itself); 2+ replicas without merge_call (an XLA-compiled step);
+            (`load_model`) a `mixed_float16` save loaded without a `LossScaleOptimizer`,
+            or another optimizer's state.
         TypeError: `inner_optimizer` is not a tf-keras optimizer, or is a
             `LossScaleOptimizer` (wrap the other way round).
         RuntimeError: built under another strategy than the one it was created under, or
             `apply_gradients` in cross-replica context.
         tf.errors.InvalidArgumentError: (run time) a non-finite cycle under "raise".
         ImportError: (on import) tf.keras is Keras 3: set `TF_USE_LEGACY_KERAS=1` first.
-        ValueError: (`load_model`) a `mixed_float16` save loaded into a model compiled
-            without a `LossScaleOptimizer`, or another optimizer's state.
     """
 
     def __init__(self, inner_optimizer, accumulation_steps, non_finite="raise",
                  name="AccumulatingOptimizer", **kwargs):
-        _check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs)
+        optimizer_checks.check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs)
         super().__init__(name=name, jit_compile=False)
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
@@ -217,34 +134,13 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     def accumulators(self):  # the replica-local gradient sums, one per trainable variable
         return list(self._accumulators)
 
-    @property
-    def variables(self):  # the wrapper's, the inner optimizer's, the loss scale's: see State
-        if not getattr(self, "_is_wrapped_by_loss_scale_optimizer", False):
-            return _CallableList(self._state())
-        accumulators = {id(a) for a in self._accumulators}
-        return _CallableList(v for v in self._state() if id(v) not in accumulators)
-
-    def _state(self):  # everything `model.save` keeps, in this order
-        # A wrapping LossScaleOptimizer tracks its dynamic loss scale through this
-        # optimizer (DelegatingTrackableMixin), under the name "loss_scale".
-        loss_scale = self._lookup_dependency("loss_scale")
-        return (self._variables + _listed(self.inner_optimizer.variables)
-                + ([] if loss_scale is None else [loss_scale.current_loss_scale,
-                                                  loss_scale.counter]))
-
     def build(self, var_list):
         """Create accumulators and counters, and build the inner optimizer."""
         super().build(var_list)
         if getattr(self, "_built", False):
             return
         strategy = tf.distribute.get_strategy()
-        for who, optimizer in (("AccumulatingOptimizer", self),
-                               ("its inner optimizer", self.inner_optimizer)):
-            if (owner := _created_under(optimizer, strategy)) is not strategy:
-                raise RuntimeError(
-                    f"{who} was created under {_describe(owner)} but is built under "
-                    f"{_describe(strategy)}. Create the model, the inner optimizer and the "
-                    "AccumulatingOptimizer inside the same `with strategy.scope():` block.")
+        optimizer_checks.check_built_under(self, strategy)
         self._model_variables = _Untracked(var_list)
         # ON_READ + SUM: each replica adds to its own copy, no communication; a cross-
         # replica read (and a checkpoint) is the sum. float32: float16 sums lose gradients.
@@ -383,43 +279,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         for accumulator in self._accumulators:
             accumulator.assign(tf.zeros_like(accumulator))
 
-    def save_own_variables(self, store):  # all of `_state()`, the accumulators too
-        for i, variable in enumerate(self._state()):
-            store[str(i)] = variable.numpy()
-
-    def load_own_variables(self, store):  # `model.save` files hold h5py datasets, and
-        # assigning one to a SUM variable across replicas divides it first: read arrays.
-        values = [store[str(i)][()] for i in range(len(store.keys()))]
-        core = len(self._variables) + len(_listed(self.inner_optimizer.variables))
-        # A LossScaleOptimizer's file holds its `variables` (no accumulators; see State)
-        # with the loss scale; the inner file holds everything.
-        saved_under_loss_scaling = len(values) != core and len(values) in (
-            core + 2, core + 2 - len(self._accumulators))
-        if saved_under_loss_scaling and len(self._state()) == core:
-            raise ValueError(
-                "AccumulatingOptimizer: this file was saved under a LossScaleOptimizer "
-                "(mixed_float16), but the loaded model compiled it without one: tf-keras "
-                "wraps the optimizer in compile only when the global dtype policy is "
-                "mixed_float16. Call tf.keras.mixed_precision.set_global_policy("
-                "'mixed_float16') before load_model (or load_model(..., compile=False) to "
-                "leave the optimizer state behind).")
-        if not core <= len(values) <= core + 2:  # + the loss scale, in the file or here
-            raise ValueError(
-                f"AccumulatingOptimizer: cannot restore the optimizer state: {core} "
-                f"variables here (without a loss scale), {len(values)} in the file. Load it "
-                "into the model and optimizer it was saved from.")
-        for variable, value in zip(self._state(), values):
-            variable.assign(value)
-
-    def set_weights(self, weights):  # over `variables` (.h5 loads restore through it)
-        variables = self.variables
-        if not getattr(self, "_built", False) or len(weights) != len(variables):
-            raise ValueError(f"AccumulatingOptimizer.set_weights: {len(weights)} weights for "
-                             f"{len(variables)} variables (built: "
-                             f"{getattr(self, '_built', False)}).")
-        for variable, weight in zip(variables, weights):  # h5py datasets: to tensors first
-            variable.assign(tf.convert_to_tensor(weight))
-
     @property
     def skipped_micro_batches(self):
         """Micro-batches a wrapping `LossScaleOptimizer` skipped as overflowing (it counts
@@ -462,10 +321,6 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
                                              custom_objects=custom_objects,
                                              use_legacy_optimizer=False)
         return cls(inner, **config)
-
-
-def _listed(variables):
-    return list(variables() if callable(variables) else variables)
 
 
 def _all_finite(tensors):
