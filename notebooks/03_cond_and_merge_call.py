@@ -563,12 +563,15 @@ show_code(AccumulatingOptimizer._cross_replica_step)
 # ### Deep dive · `_apply_accumulated`, `model.fit` and a custom loop
 #
 # On the taken branch every replica runs `_apply_accumulated`: it divides the sums by the
-# cycle's micro-step count, k, clips if the inner optimizer was configured to, and hands
-# the result to the inner optimizer, whose SUM all-reduce is the only gradient
-# communication of the cycle:
+# cycle's micro-step count, k, and hands them to `inner_update.apply_to_inner`, which clips
+# if the inner optimizer was configured to and calls the inner optimizer, whose SUM
+# all-reduce is the only gradient communication of the cycle:
 
 # %%
+from distgrad import inner_update
+
 show_code(AccumulatingOptimizer._apply_accumulated)
+show_code(inner_update.apply_to_inner)
 
 # %% [markdown]
 # In `model.fit` on R replicas, and in a custom loop, against one-device big-batch `fit`:

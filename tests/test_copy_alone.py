@@ -16,8 +16,8 @@ REFERENCE_FILES = ("optimizer.py", "optimizer_checks.py", "inner_update.py",
                    "keras_loss_scale.py", "accumulator.py", "train_step.py", "mixed_precision.py",
                    "non_finite.py", "callbacks.py", "backup_and_restore.py", "backup_commit.py",
                    "fit_data.py", "preemption.py", "clipping.py", "normalization.py", "sparse.py",
-                   "multi_worker.py", "tf_keras/optimizer.py", "tf_keras/optimizer_checks.py",
-                   "tf_keras/saved_state.py")
+                   "multi_worker.py", "tf_keras/optimizer.py", "tf_keras/tf_keras_checks.py",
+                   "tf_keras/tf_keras_state.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
 # A reference file copied together with another: it imports `distgrad.<module>`, or, copied
 # (no distgrad installed), `<module>` beside it. Its docstring says so.
@@ -28,7 +28,7 @@ NON_FINITE_USERS = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_pr
 # AccumulatingOptimizer's files: what it refuses, the update a cycle makes, Keras' own
 # LossScaleOptimizer around it; tf-keras: what it refuses, what it saves (from tf_keras/).
 OPTIMIZER_FILES = ("optimizer_checks", "inner_update", "keras_loss_scale")
-TF_KERAS_FILES = ("optimizer_checks", "saved_state")
+TF_KERAS_FILES = ("tf_keras_checks", "tf_keras_state")
 COPIED_WITH = {"backup_and_restore.py": BACKUP_FILES[1:],
                **{name: ("non_finite",) for name in NON_FINITE_USERS},
                "optimizer.py": ("non_finite", *OPTIMIZER_FILES),

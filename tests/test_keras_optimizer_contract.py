@@ -482,7 +482,7 @@ def test_overwritten_variables_are_not_clipped(where):
     """Ports test_overwrite_with_gradient with clipping on: Keras takes the overwritten
     variables out before clipping (BaseOptimizer.apply); the wrapper clips them with the
     rest (v = 0.5 instead of 1; on 2 replicas replica 1 even gets 0, the zeros of
-    `_clip_across_replicas`). Fix: leave them out of `_clip_across_replicas`."""
+    `inner_update.clip_across_replicas`). Fix: leave them out of it."""
     with scope(where):
         v, v2 = variable(V0, overwrite_with_gradient=True), variable(V0)
         optimizer = wrapped(keras.optimizers.SGD(1.0, clipvalue=0.5), 1)

@@ -9,8 +9,8 @@
 Under `mixed_float16`, `compile` wraps it in tf-keras' `LossScaleOptimizer`; wrapping by
 hand, the order is `LossScaleOptimizer(AccumulatingOptimizer(inner, k))`, never the other.
 
-Copy it into a tf-keras project with `saved_state.py` (what it saves and restores) and
-`optimizer_checks.py` (what it refuses), both from `distgrad/tf_keras/`: it imports only
+Copy it into a tf-keras project with `tf_keras_state.py` (what it saves and restores) and
+`tf_keras_checks.py` (what it refuses), both from `distgrad/tf_keras/`: it imports only
 TensorFlow and `distgrad.tf_keras.<those>`, or, copied, `<those>`.
 Any name but `tf_keras.py` (which would shadow the tf-keras package). The Keras 3 class is
 `distgrad/optimizer.py`; a Keras 3 process cannot import this one.
@@ -23,11 +23,11 @@ import warnings
 import tensorflow as tf
 
 try:
-    from distgrad.tf_keras import optimizer_checks
-    from distgrad.tf_keras.saved_state import SavedState
+    from distgrad.tf_keras import tf_keras_checks as optimizer_checks
+    from distgrad.tf_keras.tf_keras_state import SavedState
 except ImportError:  # copied into a project: those files beside this one
-    import optimizer_checks
-    from saved_state import SavedState
+    import tf_keras_checks as optimizer_checks
+    from tf_keras_state import SavedState
 
 NON_FINITE_MESSAGE = ("AccumulatingOptimizer: NaN/Inf gradients on some replica in the cycle "
                       "of update")
@@ -74,7 +74,7 @@ class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
     it is accumulated; an overflow on any replica skips that micro-batch on every replica
     (`aggregate_gradients`) and halves the scale once. The cycle waits for k finite ones.
 
-    State (`tf.train.Checkpoint` and `model.save`: `distgrad.tf_keras.saved_state`):
+    State (`tf.train.Checkpoint` and `model.save`: `distgrad.tf_keras.tf_keras_state`):
     `accumulators`, `micro_steps` (`0 <= n < k`), `total_micro_steps`, `skipped_updates`;
     `iterations`: updates plus the micro-batches a wrapping `LossScaleOptimizer` skipped
     (`skipped_micro_batches`); `inner_optimizer.iterations` counts updates only. A `fit`
