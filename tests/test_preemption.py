@@ -3,7 +3,7 @@ after micro-batch 4 of 12 (k=3: one update done, one micro-batch of the next acc
 and resume it exactly: in a fresh process on MirroredStrategy, and on a 2-worker
 MultiWorkerMirroredStrategy cluster under `PreemptionCheckpointHandler` after a SIGTERM
 (the handler saves) or a SIGKILL (the last periodic save), restarted by the lab's cluster
-manager, `distgrad_course.lab.preemption.run_cluster_with_restarts`. A dead or missing worker
+manager, `distgrad_course.lab.cluster_manager.run_cluster_with_restarts`. A dead or missing worker
 ends in bounded time, never a hang.
 
 Every run is compared with one device training on the big batches (a fresh process) and,
@@ -18,18 +18,20 @@ import time
 import numpy as np
 import pytest
 
-from distgrad_course.lab import preemption
+from distgrad_course.lab import custom_loop_resume, preemption
 from distgrad_course.lab.child import run_child
+from distgrad_course.lab.cluster_manager import (
+    Fault,
+    RestartsExhausted,
+    read_progress,
+    run_cluster_with_restarts,
+)
 from distgrad_course.lab.compare import weight_diff
-from distgrad_course.lab.preemption import (
+from distgrad_course.lab.custom_loop_resume import (
     ACCUMULATION_STEPS,
     MICRO_STEPS,
     SPLIT,
-    Fault,
-    RestartsExhausted,
     load_weights,
-    read_progress,
-    run_cluster_with_restarts,
 )
 
 RTOL, ATOL = 1e-6, 1e-7
@@ -50,7 +52,7 @@ def reference():
     """One device, one Adam step per 3 global micro-batches, in a fresh process (the
     shuffle order depends on TensorFlow's global seed, which other tests may have set)."""
     return [np.asarray(w, np.float32)
-            for w in run_child("distgrad_course.lab.preemption:reference_weights").value]
+            for w in run_child("distgrad_course.lab.custom_loop_resume:reference_weights").value]
 
 
 # ------------------------------------------------------------ one process, 2 replicas
@@ -81,13 +83,13 @@ def test_a_plain_iterator_checkpoint_continues_a_shuffled_repeated_pipeline(tmp_
 def test_skip_relies_on_the_first_iteration_of_a_new_pipeline():
     """`skip(n)` on a pipeline built afresh continues where the first iteration of any
     fresh one was; iterating the *same* reshuffling dataset again gives a new order."""
-    first = [x.numpy().tolist() for x, _ in preemption.global_micro_batches()]
-    again = [x.numpy().tolist() for x, _ in preemption.global_micro_batches()]
-    skipped = [x.numpy().tolist() for x, _ in preemption.global_micro_batches().skip(SPLIT)]
+    first = [x.numpy().tolist() for x, _ in custom_loop_resume.global_micro_batches()]
+    again = [x.numpy().tolist() for x, _ in custom_loop_resume.global_micro_batches()]
+    skipped = [x.numpy().tolist() for x, _ in custom_loop_resume.global_micro_batches().skip(SPLIT)]
     assert len(first) == MICRO_STEPS
     assert again == first
     assert skipped == first[SPLIT:]
-    dataset = preemption.global_micro_batches()
+    dataset = custom_loop_resume.global_micro_batches()
     once = [x.numpy().tolist() for x, _ in dataset]
     twice = [x.numpy().tolist() for x, _ in dataset]
     assert once == first
@@ -97,16 +99,16 @@ def test_skip_relies_on_the_first_iteration_of_a_new_pipeline():
 @pytest.fixture(scope="module")
 def resumed_with_skip(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("resume-skip")
-    return str(workdir), preemption.resume_custom_loop(str(workdir), data="skip")
+    return str(workdir), custom_loop_resume.resume_custom_loop(str(workdir), data="skip")
 
 
-@pytest.mark.parametrize("data", preemption.DATA_MODES)
+@pytest.mark.parametrize("data", custom_loop_resume.DATA_MODES)
 def test_custom_loop_resumes_mid_cycle_in_a_fresh_process(data, resumed_with_skip, tmp_path,
                                                           reference):
     if data == "skip":
         reports = resumed_with_skip[1]
     else:
-        reports = preemption.resume_custom_loop(str(tmp_path), data=data)
+        reports = custom_loop_resume.resume_custom_loop(str(tmp_path), data=data)
     first, rest = reports["first"], reports["rest"]
     # Saved after micro-batch 4: one update done, one micro-batch of the next accumulated.
     assert first["saved"]["iterations"] == 1 and first["saved"]["micro_steps"] == 1
@@ -123,7 +125,7 @@ def test_resuming_without_the_accumulator_loses_the_accumulated_micro_batch(resu
     """The control: the same checkpoint restored without the accumulator starts the
     second cycle with 0 micro-batches instead of 1, and the weights come out different."""
     workdir, reports = resumed_with_skip
-    rest = run_child("distgrad_course.lab.preemption:custom_loop",
+    rest = run_child("distgrad_course.lab.custom_loop_resume:custom_loop",
                      {"workdir": workdir, "phase": "rest", "without_accumulator": True}).value
     assert rest["restored"] == {"iterations": 1, "micro_steps": 0, "micro_batches": SPLIT}
     weights = load_weights(rest["weights_file"])

@@ -10,7 +10,8 @@ benchmarks use to show and check them lives here:
   resume experiments;
 * `distgrad_course.pitfalls`: deterministic reproductions of the mistakes the lessons are
   about;
-* `version_matrix.py`: the driver of `make matrix` (standard library only).
+* `version_matrix.py`: the driver of `make matrix` (standard library only), with
+  `matrix_results.py` (a run's results) and `matrix_tables.py` (the tables).
 
 It imports the library; the library never imports it.
 """

@@ -34,6 +34,9 @@ children with `TF_USE_LEGACY_KERAS=1`, tf-keras 2.15), tests/test_version_checks
 tf.keras, without the switch), the tf-keras recipes and the tf-keras runs of the upstream
 reports; no lesson (they are Keras 3). Its results are kept per test too ("per_test" in
 matrix.json, a table in matrix.md).
+
+The driver reads a run's results with `matrix_results.py` and renders the tables with
+`matrix_tables.py`, the two modules beside it.
 """
 
 from __future__ import annotations
@@ -48,23 +51,40 @@ import signal
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+if __package__:
+    from .matrix_results import (
+        NIGHTLY,
+        RELEASE,
+        UPSTREAM_TESTS,
+        junit_results,
+        lesson_failure,
+        per_test_results,
+        summary,
+        upstream_results,
+    )
+    from .matrix_tables import write_tables
+else:  # run by path (`make matrix`): its modules are beside it, whatever the current folder
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from matrix_results import (
+        NIGHTLY,
+        RELEASE,
+        UPSTREAM_TESTS,
+        junit_results,
+        lesson_failure,
+        per_test_results,
+        summary,
+        upstream_results,
+    )
+    from matrix_tables import write_tables
 
 ROOT = Path(__file__).resolve().parents[3]  # src/course/distgrad_course/version_matrix.py
 BUILD = ROOT / "build" / "matrix"
 RESULTS = ROOT / "docs" / "versions" / "matrix.json"
-TABLES = RESULTS.with_suffix(".md")
-NIGHTLY_TABLE = RESULTS.parent / "nightly.md"
-STATUS_TABLE = RESULTS.parent / "upstream-status.md"
-UPSTREAM_PAGE = ROOT / "docs" / "upstream.md"
-UPSTREAM_TESTS = "tests/test_upstream_reports.py"
-# The test of tests/test_upstream_reports.py that runs a report's file and asserts its
-# defect, one per (file stem, keras module): the status of a report is theirs.
-DEFECT_TEST = re.compile(
-    r"^test_each_reproduction_shows_what_the_page_says\[(\w+?)-(keras|tf_keras)\]$")
-NIGHTLY = {"tensorflow": "tf-nightly", "keras": "keras-nightly", "tf_keras": "tf-keras-nightly"}
-RELEASE = {"tensorflow": "tensorflow", "keras": "keras", "tf_keras": "tf-keras"}
+# The matrix's own files: not what the tests run with (tree_state leaves them out).
+OWN_FILES = tuple(f"src/course/distgrad_course/{name}.py"
+                  for name in ("version_matrix", "matrix_results", "matrix_tables"))
 TF_MINORS = ("2.16", "2.17", "2.18", "2.19", "2.20", "2.21")
 KERAS_2_TF = "2.15"  # the last TensorFlow whose tf.keras is Keras 2
 KERAS_2_TESTS = ("tests/test_tf_keras_optimizer.py", "tests/test_tf_keras_mixed_precision.py",
@@ -88,9 +108,6 @@ FREE_GB_NEEDED = 6
 NOT_REFERENCE = {"test_benchmarks.py", "test_multi_worker_bench.py", "test_notebook_pairs.py",
                  "test_child.py", "test_multiworker.py", "test_version_matrix_status.py",
                  "test_kubernetes.py", "test_workflows.py"}
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-EXCEPTION = re.compile(r"[\w.]*(Error|Exception|Exit)\b")
-ARROW = re.compile(r"^-+> *\d+ (.*)$", re.MULTILINE)  # IPython marks the failing line: ---> 12
 
 
 def keras_lower_bound() -> str:
@@ -158,15 +175,14 @@ def git_commit() -> str:
 
 def tree_state() -> dict:
     """{path: digest} of the files the tests run with that differ from HEAD (changed, new or
-    deleted) under src/, tests/ (but this driver), notebooks/ and pyproject.toml."""
+    deleted) under src/, tests/ (but the matrix's OWN_FILES), notebooks/ and pyproject.toml."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=True).stdout
     paths = ["--", "src", "tests", "notebooks", "pyproject.toml"]
     names = git("diff", "HEAD", "--name-only", "-z", *paths).split(b"\0")
     names += git("ls-files", "-z", "--others", "--exclude-standard", *paths).split(b"\0")
-    driver = str(Path(__file__).resolve().relative_to(ROOT))
     state = {}
-    for name in {n.decode() for n in names if n} - {driver}:
+    for name in {n.decode() for n in names if n} - set(OWN_FILES):
         path = ROOT / name
         state[name] = (hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file()
                        else "deleted")
@@ -213,87 +229,6 @@ def uses_tf_keras(path: Path) -> bool:
     return bool(re.search(r"tf_keras|lab\.legacy|lab import legacy",
                           path.read_text(encoding="utf-8")))
 
-
-def summary(text: str, limit: int = 200) -> str:
-    """An error message's first line and, if it has more, its last exception line (a
-    child's or a traced function's), else its last line."""
-    lines = [line.strip()[:limit] for line in ANSI.sub("", text or "").splitlines()
-             if line.strip()]
-    raised = [line for line in lines[1:] if EXCEPTION.match(line)] or lines[1:]
-    return " … ".join(lines[:1] + raised[-1:])
-
-
-def failure_of(problem: ET.Element) -> str:
-    """A junit failure's message; pytest cuts a long one: then its `E` lines in the report."""
-    message = problem.get("message") or ""
-    if message and "full report in element text" not in message:
-        return summary(message)
-    report = (problem.text or "").splitlines()
-    return summary("\n".join(line[1:] for line in report if line.startswith("E ")) or message)
-
-
-def junit_results(junit: Path, keys: list[str], module_of) -> dict:
-    """Per key (test file or lesson): pass, or its first failing test and message."""
-    results = {key: {"status": "not run"} for key in keys}
-    cases = ET.parse(junit).iter("testcase") if junit.exists() else []
-    for case in cases:
-        where = f"{case.get('classname')}.{case.get('name')}."
-        key = next((k for k in keys if f"{module_of(k)}." in where), None)
-        if key is None:
-            continue
-        record = results[key]
-        if record["status"] == "not run":
-            record.update(status="pass", tests=0, time_s=0.0)
-        record["tests"] += 1
-        record["time_s"] = round(record["time_s"] + float(case.get("time", 0)), 1)
-        problem = next((p for p in case if p.tag in ("failure", "error")), None)
-        if problem is not None:
-            record["failed"] = record.get("failed", 0) + 1
-            if record["status"] == "pass":
-                record.update(status="fail", test=case.get("name"), message=failure_of(problem))
-    return results
-
-
-def lesson_failure(executed: Path) -> dict:
-    """A lesson's first cell with an error: its index, the failing line, the exception."""
-    for index, cell in enumerate(json.loads(executed.read_text())["cells"]):
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                traceback = ANSI.sub("", "\n".join(output.get("traceback", [])))
-                arrows = ARROW.findall(traceback)  # the cell's own frame comes first
-                return {"cell": index, "line": arrows[0].strip()[:200] if arrows else "",
-                        "message": summary(f"{output['ename']}: {output['evalue']}")}
-    return {}  # no error output: a timeout, whose message junit has
-
-
-def per_test_results(junit: Path) -> dict:
-    """Per test ("test_x.py::name[id]"): pass, skipped, failure or error, and its message."""
-    results = {}
-    cases = ET.parse(junit).iter("testcase") if junit.exists() else []
-    for case in cases:
-        key = f"{case.get('classname', '').rsplit('.', 1)[-1]}.py::{case.get('name')}"
-        problem = next((p for p in case if p.tag in ("failure", "error", "skipped")), None)
-        outcome = ({"status": "pass"} if problem is None else
-                   {"status": problem.tag, "message": failure_of(problem)})
-        if results.get(key, {}).get("status", "pass") == "pass":
-            results[key] = outcome  # a setup or teardown error is a second case
-    return results
-
-
-def upstream_results(junit: Path) -> dict:
-    """Per test of tests/test_upstream_reports.py: pass, or fail / error and its message."""
-    results = {}
-    cases = ET.parse(junit).iter("testcase") if junit.exists() else []
-    for case in cases:
-        if not case.get("classname", "").endswith("test_upstream_reports"):
-            continue
-        problem = next((p for p in case if p.tag in ("failure", "error", "skipped")), None)
-        outcome = ({"status": "pass"} if problem is None else
-                   {"status": {"skipped": "skipped"}.get(problem.tag, problem.tag),
-                    "message": failure_of(problem)})
-        if results.get(case.get("name"), {}).get("status", "pass") == "pass":
-            results[case.get("name")] = outcome  # a setup or teardown error is a second case
-    return results
 
 
 def clean_environ(env_dir: Path) -> dict:
@@ -434,15 +369,6 @@ def fill_reports(record: dict, env_dir: Path, name: str, commit: str) -> dict:
                                else env_dir), "wall_s": round(time.monotonic() - begun)}
 
 
-def code(text: str) -> str:
-    return "`" + str(text).replace("`", "'") + "`"
-
-
-def failure_note(cell: str, key: str, outcome: dict) -> str:
-    where = (f"cell {outcome['cell']}, {code(outcome['line'])}" if "cell" in outcome
-             else code(outcome["test"]))
-    return f"{cell}, {code(Path(key).name)}: {where}: {code(outcome['message'])}"
-
 
 def ordered(results: dict) -> dict:
     """The recorded cells: those of cells() in its order, then any others."""
@@ -450,223 +376,6 @@ def ordered(results: dict) -> dict:
     return {n: results[n] for n in known + sorted(set(results) - set(known)) if n in results}
 
 
-def result_text(r: dict) -> str:
-    text = r["status"]
-    if "only" in r:
-        files = [f for f in r["only"] if f.startswith("tests/")]
-        lessons = len(r["only"]) - len(files)
-        text += (f" (partial cell: {len(files)} test files, "
-                 + (f"{lessons} lessons)" if lessons else "no lessons)"))
-    if r.get("changed_while_running"):
-        text += f"; {len(r['changed_while_running'])} files changed while it ran"
-    return text
-
-
-def write_tables(results: dict) -> None:
-    """docs/versions/matrix.md (the cells, then lesson x cell and test file x cell),
-    nightly.md (the nightly cell) and upstream-status.md (the status of each report)."""
-    done = ordered(results)
-    rows = ["| cell | TensorFlow | Keras | tf-keras | NumPy | Python | commit | date | minutes "
-            "| result |", "|---" * 10 + "|"]
-    notes = []
-    for name, r in done.items():
-        v = r.get("versions", {})
-        if "message" in r:  # the install failed
-            notes.append(f"{name}: {code(r['message'])}")
-        result = result_text(r) + (f" [{len(notes)}](#matrix-note-{len(notes)})"
-                                   if "message" in r else "")
-        rows.append(" | ".join(["", name, *(v.get(k, "—") for k in (
-            "tensorflow", "keras", "tf_keras", "numpy", "python")), code(r["commit"]),
-            r["date"], f"{r['wall_s']['total'] / 60:.0f}", result, ""]).strip())
-    for group, title in (("lessons", "lesson"), ("tests", "test file")):
-        rows += ["", f"| {title} | " + " | ".join(done) + " |", "|---" * (len(done) + 1) + "|"]
-        for key in sorted({k for r in done.values() for k in r.get(group, {})}):
-            marks = []
-            for name, r in done.items():
-                outcome = r.get(group, {}).get(key, {"status": "not run"})
-                if outcome["status"] == "fail":
-                    notes.append(failure_note(name, key, outcome))
-                    marks.append(f"✗ [{len(notes)}](#matrix-note-{len(notes)})")
-                elif outcome["status"].startswith("not run:"):
-                    notes.append(f"{name}, {code(Path(key).name)}: {outcome['status']}")
-                    marks.append(f"not run [{len(notes)}](#matrix-note-{len(notes)})")
-                else:
-                    marks.append({"pass": "✓"}.get(outcome["status"], outcome["status"]))
-            rows.append(f"| {code(Path(key).name)} | " + " | ".join(marks) + " |")
-    rows += ["", *(f'{i}. <a id="matrix-note-{i}"></a>{note}' for i, note in enumerate(notes, 1))]
-    rows += per_test_table(done)
-    TABLES.write_text("\n".join(rows) + "\n")
-    NIGHTLY_TABLE.write_text(nightly_table(results.get("nightly")))
-    STATUS_TABLE.write_text(status_table(done))
-
-
-def per_test_table(done: dict) -> list[str]:
-    """The cells recorded per test (the Keras 2 cell): one row per test, its result."""
-    rows = []
-    for name, r in done.items():
-        if "per_test" not in r:
-            continue
-        counts = {}
-        for outcome in r["per_test"].values():
-            counts[outcome["status"]] = counts.get(outcome["status"], 0) + 1
-        rows += ["", f"Per test, cell {name} (`pytest -k {code(r['selection'])[1:-1]}` on "
-                 f"its test files): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-                 + ".", "", f"| test | {name} |", "|---|---|"]
-        for key, outcome in sorted(r["per_test"].items()):
-            mark = {"pass": "✓"}.get(outcome["status"], outcome["status"])
-            if outcome["status"] != "pass":
-                mark += f": {code(outcome.get('message', ''))}"
-            rows.append(f"| {code(key).replace('|', '/')} | {mark.replace('|', '/')} |")
-    return rows
-
-
-def nightly_table(r: dict | None) -> str:
-    """The nightly cell: when, what pip installed, what ran, what it showed."""
-    if r is None:
-        return "The nightly cell has not run yet.\n"
-    if "versions" not in r:
-        return f"The nightly cell, {r['date']}: {r['status']}: {code(r.get('message', ''))}\n"
-    v, dists = r["versions"], r["versions"].get("distributions", {})
-    ran = ("every test file of the matrix and every lesson" if "only" not in r else
-           f"partial cell: {len(r['only'])} files, " + ", ".join(map(code, r["only"]))
-           + ("" if any(not f.startswith("tests/") for f in r["only"]) else "; no lesson"))
-    lines = [f"Run on {r['date']} (UTC) at commit {code(r['commit'])}: {ran}. "
-             f"Install {r['wall_s'].get('install', 0)} s, tests "
-             f"{r['wall_s'].get('tests', 0)} s"
-             + (f", lessons {r['wall_s']['lessons']} s" if "lessons" in r["wall_s"] else "")
-             + f"; result: {r['status']}.", "",
-             "| distribution | version pip installed |", "|---|---|"]
-    for key in ("tensorflow", "keras", "tf_keras"):
-        lines.append(f"| `{dists.get(key, NIGHTLY[key])}` | {v.get(key, 'not installed')} |")
-    lines += [f"| `numpy` | {v.get('numpy', '—')} |", f"| Python | {v.get('python', '—')} |"]
-    if "legacy" in r:
-        lines += ["", f"tf-keras: {r['legacy']}."]
-    if r.get("changed_while_running"):
-        lines += ["", "Changed in the working tree while the cell ran (its results may mix two "
-                  "versions of these): " + ", ".join(map(code, r["changed_while_running"])) + "."]
-    if r.get("pip_check"):
-        lines += ["", "`pip check` (the project is installed with `--no-deps`):", "",
-                  *(f"* {code(line)}" for line in r["pip_check"])]
-    lines += ["", "| test file or lesson | tests | result |", "|---|---|---|"]
-    for key, outcome in (r.get("tests", {}) | r.get("lessons", {})).items():
-        result = outcome["status"]
-        if result == "fail":
-            result = (f"{outcome.get('failed', 1)} failed; first "
-                      + (f"cell {outcome['cell']}" if "cell" in outcome
-                         else code(outcome["test"])) + f": {code(outcome['message'])}")
-        lines.append(f"| {code(Path(key).name)} | {outcome.get('tests', '—')} | {result} |")
-    others = {}  # the failures of tests/test_upstream_reports.py that are no report's run
-    for name, outcome in r.get("upstream", {}).get("tests", {}).items():
-        if outcome["status"] != "pass" and not DEFECT_TEST.match(name):
-            others.setdefault((name.split("[")[0], outcome.get("message", "")), []).append(name)
-    if "upstream" in r:
-        lines += ["", f"In {code(Path(UPSTREAM_TESTS).name)}, each report's runs give its "
-                  "[status](upstream.md#status)"
-                  + ("; its other failures:" if others else "; no other test failed.")]
-        if others:
-            lines.append("")
-        for (test, message), names in others.items():
-            lines.append(f"* {len(names)} × {code(test)}: {code(message)}")
-    return "\n".join(lines) + "\n"
-
-
-def version_key(r: dict) -> tuple:
-    v = r.get("versions", {})
-    return tuple(tuple(int(n) for n in re.findall(r"\d+", v.get(k, "0"))[:3])
-                 for k in ("tensorflow", "keras", "tf_keras"))
-
-
-def report_sections() -> list[tuple[str, str, str]]:
-    """(file stem, heading, anchor) of each `## ` section of docs/upstream.md that includes
-    a docs/upstream/STEM.py, in page order."""
-    parts = re.split(r"^## (.+)$", UPSTREAM_PAGE.read_text(encoding="utf-8"), flags=re.M)
-    found = []
-    for heading, body in zip(parts[1::2], parts[2::2]):
-        title = re.match(r"(.*?)\s*(?:\{#([\w-]+)\})?$", heading)
-        for stem in re.findall(r'^--8<-- "upstream/([\w-]+)\.py"$', body, flags=re.M):
-            found.append((stem, title[1], title[2] or ""))
-    return found
-
-
-def report_outcome(record: dict, stem: str) -> dict | None:
-    """A report in one cell: pass if each run of its file (Keras 3, tf-keras) shows what the
-    page says, else its first failing run; None where no run of it was recorded."""
-    tests = record.get("upstream", {}).get("tests", {})
-    mine = sorted((name, r) for name, r in tests.items()
-                  if (m := DEFECT_TEST.match(name)) and m[1] == stem)
-    if not mine:
-        return None
-    failed = [(name, r) for name, r in mine if r["status"] != "pass"]
-    if not failed:
-        return {"status": "pass"}
-    name, r = failed[0]
-    message = r.get("message", "")
-    # The test says so when the defect's exception is gone; anything else (other numbers,
-    # another exception, a child that could not start) is a change, not known to be a fix.
-    gone = r["status"] == "failure" and "no longer raises" in message
-    # The test checks the exception's type before each fragment of its message: a missing
-    # fragment means the same exception, with another message.
-    fragment = re.search(r" … assert (['\"])(.+?)\1 in ", message)
-    raised = re.search(r"no longer raises ([\w.]+)", message)
-    text = (f"no longer raises {code(raised[1].rsplit('.', 1)[-1])}" if gone and raised else
-            f"the same exception, without {code(fragment[2])} in its message" if fragment
-            else code(message[:160]))
-    run = {"keras": "Keras 3", "tf_keras": "tf-keras"}[DEFECT_TEST.match(name)[2]]
-    return {"status": "fixed" if gone else "changed", "text": f"{run} run: {text}"}
-
-
-def status_table(done: dict) -> str:
-    """One row per report of docs/upstream.md: its status, derived from the per-test results
-    of tests/test_upstream_reports.py in the release cells and the nightly."""
-    releases = sorted(((n, r) for n, r in done.items() if n != "nightly" and "versions" in r),
-                      key=lambda item: version_key(item[1]))
-    recorded = [(n, r) for n, r in releases if "upstream" in r]
-    nightly = done.get("nightly") if "upstream" in done.get("nightly", {}) else None
-    rows = ["| report | status | reproduces on | differs on |", "|---|---|---|---|"]
-    for stem, title, anchor in report_sections():
-        seen = [(n, report_outcome(r, stem)) for n, r in recorded]
-        seen = [(n, o) for n, o in seen if o is not None]
-        tonight = report_outcome(nightly, stem) if nightly else None
-        passing = [n for n, o in seen if o["status"] == "pass"]
-        later = next((i for i, (n, o) in enumerate(seen)
-                      if o["status"] != "pass" and any(p["status"] == "pass"
-                                                       for _, p in seen[:i])), None)
-        if not seen:
-            status = "not recorded on a release"
-        elif later is not None:
-            name, o = seen[later]
-            status = f"{o['status']} in release {name} ({o['text']})"
-        elif seen[-1][1]["status"] != "pass":
-            status = f"fails on every release recorded ({seen[-1][1]['text']})"
-        elif tonight is None:
-            status = "reproduces (nightly: not recorded)"
-        elif tonight["status"] == "pass":
-            status = "reproduces"
-            passing.append("nightly")
-        else:
-            status = f"{tonight['status']} in nightly ({tonight['text']})"
-        differing = [n for n, o in seen if o["status"] != "pass"]
-        differing += ["nightly"] if tonight and tonight["status"] != "pass" else []
-        link = f"[{title}](#{anchor})" if anchor else title
-        rows.append(f"| {link} | {status} | {', '.join(passing) or '—'} | "
-                    f"{', '.join(differing) or '—'} |")
-    rows += ["", "Cells (per-report results of `tests/test_upstream_reports.py`; "
-             "[versions](versions.md#matrix)):", ""]
-    for name, r in [*recorded, *([("nightly", nightly)] if nightly else [])]:
-        up, v = r["upstream"], r["versions"]
-        dists = v.get("distributions", RELEASE)
-        stack = ", ".join(f"{dists.get(k, RELEASE[k])} {v[k]}" for k in RELEASE if k in v)
-        where = (f"run {up['date']} at {code(up['commit'])} in {code(up['environment'])}, "
-                 "the same versions" if "environment" in up else f"run {r['date']}")
-        rows.append(f"* **{name}**: {stack}; {where}.")
-    missing = [(n, r) for n, r in releases if "upstream" not in r]
-    if missing:
-        whole = sorted({r.get("tests", {}).get(UPSTREAM_TESTS, {}).get("status", "not run")
-                        for _, r in missing})
-        rows.append(f"* Not recorded per report: {', '.join(n for n, _ in missing)} (run "
-                    "before the matrix kept per-test results; "
-                    f"`{Path(UPSTREAM_TESTS).name}` as a whole: {', '.join(whole)}).")
-    return "\n".join(rows) + "\n"
 
 
 def save(name: str, record: dict) -> dict:
@@ -676,7 +385,7 @@ def save(name: str, record: dict) -> dict:
     results[name] = record
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    write_tables(results)
+    write_tables(ordered(results))
     return results
 
 
@@ -700,7 +409,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if args.tables:
-        write_tables(results)
+        write_tables(ordered(results))
         return 0
     if args.nightly:
         args.tf = "nightly"

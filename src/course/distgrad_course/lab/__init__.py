@@ -7,5 +7,6 @@ graph inspection (`graph`), the call spy (`spy`), the simulated GPU+XLA path
 child-process runner (`child`; on Linux its children are forked by `fork_server`, which
 runs a named module as `python -m` would and never imports `child`) and what runs on it
 (`legacy` with the tf-keras recipes of `legacy_fit`, `multiworker`, `workers`, `memory`,
-`resume`).
+`resume`, `custom_loop_resume`, and `preemption` on the cluster manager of
+`cluster_manager`).
 """

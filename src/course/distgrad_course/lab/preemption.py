@@ -1,23 +1,13 @@
-"""Preemption mid-cycle: checkpoint a custom accumulation loop, resume it exactly.
-
-One process (`custom_loop`, MirroredStrategy on 2 replicas): train k=3 micro-batches per
-Adam update with `GradientAccumulator` over a shuffled, repeated `tf.data` pipeline, save
-a `tf.train.Checkpoint` after micro-batch 4 (1 update done, 1 micro-batch of the next
-cycle accumulated), restore it in a fresh process and finish. On TensorFlow 2.21 a
-distributed iterator cannot go into a checkpoint (`iterator_checkpointability`), so the
-data position is a step count in the checkpoint and the resumed pipeline `skip`s that many
-micro-batches (`data="skip"`), or the checkpoint holds a plain `tf.data` iterator whose
-global batches the loop splits over the replicas itself (`data="plain_iterator"`).
+"""Preemption of a cluster mid-cycle: `PreemptionCheckpointHandler`, SIGTERM and SIGKILL.
 
 A cluster (`preemptible_worker`, one replica per worker of a `MultiWorkerMirroredStrategy`)
-trains the same loop under `tf.distribute.experimental.PreemptionCheckpointHandler`, one
-`handler.run` per micro-batch, the chief also saving every `save_every` micro-batches with
-a `tf.train.CheckpointManager`. `run_cluster_with_restarts` is the cluster manager: it
-starts the workers (`distgrad_course.lab.multiworker`), signals one of them (`Fault`) once its
-progress file shows a given micro-batch, restarts the whole cluster after a failure, at
-most `max_restarts` times, and kills every process it started. `preemption_experiment`
-runs one of SCENARIOS (SIGTERM, SIGKILL, a survivor left alone, a worker that never comes
-back) and returns its numbers.
+trains the accumulation loop of `distgrad_course.lab.custom_loop_resume` under
+`tf.distribute.experimental.PreemptionCheckpointHandler`, one `handler.run` per
+micro-batch, the chief also saving every `save_every` micro-batches with a
+`tf.train.CheckpointManager`. The cluster manager of `distgrad_course.lab.cluster_manager`
+(`run_cluster_with_restarts`) starts it, signals a worker (`Fault`) and restarts it;
+`preemption_experiment` runs one of SCENARIOS (SIGTERM, SIGKILL, a survivor left alone, a
+worker that never comes back) and returns its numbers.
 
 The handler saves every worker at the same run count (its `run()` calls), so the workers
 must stay within one micro-batch of each other: an all-reduce in every micro-batch does
@@ -25,14 +15,15 @@ that (on MWMS a finite distributed dataset has one, its has-data flag; the loop 
 summed loss). Without one, a worker runs ahead to the next apply, and a SIGTERM fails
 both workers instead of saving (scenario "SIGTERM_without_sync").
 
-The launcher imports only the standard library and NumPy; the functions that run in a
-child import TensorFlow themselves.
+The names a lesson reaches through this module are importable from here too:
+`run_cluster_with_restarts`, `Fault`, `RestartsExhausted`, `read_progress` (the
+manager's), `iterator_checkpointability`, `reference_weights`, `load_weights` (the
+loop's). The launcher imports only the standard library and NumPy; the functions that run
+in a child import TensorFlow themselves.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import signal
 import tempfile
@@ -40,280 +31,29 @@ import time
 
 import numpy as np
 
-from distgrad_course.lab.child import Child, ChildResult, check_timeout, resolve
-from distgrad_course.lab.multiworker import free_ports, tf_config, visible_gpus, worker_devices
-
-EXAMPLES = 48  # two epochs of 6 global micro-batches: 12 micro-batches, 4 updates
-FEATURES = 4
-MICRO_BATCH = 8  # global micro-batch (all replicas together)
-ACCUMULATION_STEPS = 3
-EPOCHS = 2
-MICRO_STEPS = EXAMPLES * EPOCHS // MICRO_BATCH
-SHUFFLE_SEED = 7
-LEARNING_RATE = 0.01
-SPLIT = 4  # the mid-cycle checkpoint: 1 update done, 1 micro-batch of the next accumulated
-# What the worker's exit_fn exits with after the handler saved (TensorFlow's own default off
-# Google Cloud is `sys.exit(42)`, BorgTerminationConfig in failure_handling.py).
-RESTART_EXIT_CODE = 42
-DATA_MODES = ("skip", "plain_iterator")
-
-
-# ----------------------------------------------------------------------------- shared
-
-
-def global_micro_batches(epochs: int | None = EPOCHS):
-    """The input of every run: `(x, y)` global micro-batches of MICRO_BATCH examples, the
-    examples shuffled with a fixed seed and reshuffled each of `epochs` epochs (None:
-    repeated forever).
-
-    The first iteration of a dataset it builds is the same in every process and for every
-    call (the op seed, with TensorFlow's global seed unset or equal, fixes the order of
-    every epoch), so a resumed run rebuilds it and `skip`s; a second `iter()` over the
-    *same* dataset object reshuffles.
-    """
-    import tensorflow as tf
-
-    from distgrad_course.lab.data import regression_data
-
-    x, y = regression_data(EXAMPLES, FEATURES)
-    return (tf.data.Dataset.from_tensor_slices((x, y))
-            .shuffle(EXAMPLES, seed=SHUFFLE_SEED, reshuffle_each_iteration=True)
-            .repeat(epochs)
-            .batch(MICRO_BATCH, drop_remainder=True))
-
-
-def reference_weights() -> list[np.ndarray]:
-    """One device, one Adam step per ACCUMULATION_STEPS consecutive global micro-batches
-    (their concatenation, mean loss): what every accumulated run must end with."""
-    import keras
-    import tensorflow as tf
-
-    from distgrad_course.lab.compare import weights_of
-    from distgrad_course.lab.data import per_example_squared_error, tiny_model
-
-    batches = list(global_micro_batches())
-    model, optimizer = tiny_model(), keras.optimizers.Adam(LEARNING_RATE)
-    for start in range(0, len(batches), ACCUMULATION_STEPS):
-        group = batches[start:start + ACCUMULATION_STEPS]
-        x = tf.concat([b[0] for b in group], 0)
-        y = tf.concat([b[1] for b in group], 0)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(per_example_squared_error(y, model(x, training=True)))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return weights_of(model)
-
-
-def _error(err: BaseException) -> dict:
-    return {"type": type(err).__name__, "message": str(err)}
-
-
-def _replica_fn(model, accumulator):
-    """Replica context: one micro-batch's gradients into the accumulator, its loss out.
-    The loss is divided by the global batch of the whole update (MICRO_BATCH * k)."""
-    import tensorflow as tf
-
-    from distgrad_course.lab.data import per_example_squared_error
-
-    def replica_fn(x, y):
-        with tf.GradientTape() as tape:
-            per_example = per_example_squared_error(y, model(x, training=True))
-            loss = tf.reduce_sum(per_example) / (MICRO_BATCH * ACCUMULATION_STEPS)
-        accumulator.add(tape.gradient(loss, model.trainable_variables))
-        return loss
-
-    return replica_fn
-
-
-def _build(strategy):
-    """Model, Adam, accumulator and the micro-batch counter, under `strategy`; the apply
-    step (which builds Adam under the scope, before any trace)."""
-    import keras
-    import tensorflow as tf
-
-    from distgrad.accumulator import GradientAccumulator
-    from distgrad_course.lab.data import tiny_model
-
-    with strategy.scope():
-        model = tiny_model()
-        optimizer = keras.optimizers.Adam(LEARNING_RATE)
-        accumulator = GradientAccumulator(model.trainable_variables)
-        micro_batches = tf.Variable(0, dtype=tf.int64, trainable=False, name="micro_batches")
-    return model, optimizer, accumulator, micro_batches, accumulator.make_apply_step(optimizer)
-
-
-# ------------------------------------------------------------- one process, 2 replicas
-
-
-def iterator_checkpointability(replicas: int = 2) -> dict:
-    """Which iterators `tf.train.Checkpoint(iterator=...)` accepts, under
-    `make_strategy(replicas)`: None where it does, else the error (`type`, `message`)."""
-    from distgrad_course.devices import make_strategy
-
-    strategy = make_strategy(replicas)
-    import tensorflow as tf
-
-    def per_replica(context):
-        return global_micro_batches().unbatch().batch(
-            context.get_per_replica_batch_size(MICRO_BATCH), drop_remainder=True)
-
-    iterators = {
-        "experimental_distribute_dataset": lambda: iter(
-            strategy.experimental_distribute_dataset(global_micro_batches())),
-        "distribute_datasets_from_function": lambda: iter(
-            strategy.distribute_datasets_from_function(per_replica)),
-        "plain_tf_data": lambda: iter(global_micro_batches()),
-    }
-    found = {}
-    for name, make in iterators.items():
-        try:
-            tf.train.Checkpoint(iterator=make())
-            found[name] = None
-        except (TypeError, ValueError) as err:
-            found[name] = _error(err)
-    return found
-
-
-def custom_loop(workdir: str, phase: str, data: str = "skip", replicas: int = 2,
-                without_accumulator: bool = False) -> dict:
-    """The custom loop on `make_strategy(replicas)`, in a process of its own.
-
-    `phase="first"`: all MICRO_STEPS micro-batches from scratch, saving a checkpoint into
-    `workdir` after micro-batch SPLIT; its final weights are the uninterrupted run.
-    `phase="rest"`: restore that checkpoint (a fresh process) and finish;
-    `without_accumulator=True` leaves the accumulator out of what it restores (the
-    mistake: the micro-batch accumulated before the save is lost). Each writes its
-    final weights to `workdir/<phase>[_without_accumulator].npz` (`"weights_file"`) and
-    returns the counters, the restored ones included. `data`: how the checkpoint keeps
-    the data position, "skip" (a `micro_batches` count; the pipeline skips that many)
-    or "plain_iterator" (a plain tf.data iterator of global batches, which the loop
-    splits over the replicas itself).
-    """
-    if phase not in ("first", "rest"):
-        raise ValueError(f"phase must be 'first' or 'rest', got {phase!r}.")
-    if data not in DATA_MODES:
-        raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}.")
-    if without_accumulator and phase != "rest":
-        raise ValueError("without_accumulator applies to phase 'rest' only.")
-    from distgrad_course.devices import make_strategy
-
-    strategy = make_strategy(replicas)
-    import tensorflow as tf
-
-    from distgrad_course.lab.compare import weights_of
-
-    model, optimizer, accumulator, micro_batches, apply_step = _build(strategy)
-    state = {"model": model, "optimizer": optimizer, "micro_batches": micro_batches}
-    if not without_accumulator:
-        state["accumulator"] = accumulator
-    plain = iter(global_micro_batches()) if data == "plain_iterator" else None
-    if plain is not None:
-        state["iterator"] = plain
-    checkpoint = tf.train.Checkpoint(**state)
-    restored = None
-    if phase == "rest":
-        status = checkpoint.restore(tf.train.latest_checkpoint(workdir))
-        if without_accumulator:
-            status.expect_partial()
-        else:
-            status.assert_consumed()  # every saved value found its variable
-        restored = {"iterations": int(optimizer.iterations.numpy()),
-                    "micro_steps": accumulator.micro_steps,
-                    "micro_batches": int(micro_batches.numpy())}
-    if plain is None:
-        batches = iter(strategy.experimental_distribute_dataset(
-            global_micro_batches().skip(int(micro_batches.numpy()))))
-    replica_fn = _replica_fn(model, accumulator)
-
-    @tf.function
-    def accumulate(x, y):
-        strategy.run(replica_fn, args=(x, y))
-
-    def next_batch():
-        if plain is None:
-            return next(batches)
-        x, y = next(plain)  # a global batch: replica r takes the r-th contiguous slice
-        per = MICRO_BATCH // strategy.num_replicas_in_sync
-        return strategy.experimental_distribute_values_from_function(
-            lambda ctx: (x[ctx.replica_id_in_sync_group * per:][:per],
-                         y[ctx.replica_id_in_sync_group * per:][:per]))
-
-    saved = None
-    while int(micro_batches.numpy()) < MICRO_STEPS:
-        accumulate(*next_batch())
-        if accumulator.micro_steps == ACCUMULATION_STEPS:
-            apply_step()
-        micro_batches.assign_add(1)
-        if phase == "first" and int(micro_batches.numpy()) == SPLIT:
-            saved = {"path": checkpoint.save(os.path.join(workdir, "ckpt")),
-                     "iterations": int(optimizer.iterations.numpy()),
-                     "micro_steps": accumulator.micro_steps}
-    weights_file = os.path.join(
-        workdir, f"{phase}{'_without_accumulator' if without_accumulator else ''}.npz")
-    np.savez(weights_file, *weights_of(model))
-    return {"phase": phase, "data": data, "saved": saved, "restored": restored,
-            "weights_file": weights_file,
-            "iterations": int(optimizer.iterations.numpy()),
-            "micro_steps": accumulator.micro_steps,
-            "micro_batches": int(micro_batches.numpy())}
-
-
-def load_weights(path: str) -> list[np.ndarray]:
-    """The arrays `np.savez(path, *weights)` wrote, in order."""
-    with np.load(path) as saved:
-        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
-
-
-def resume_custom_loop(workdir: str, data: str = "skip", replicas: int = 2,
-                       without_accumulator: bool = False, timeout: float = 300.0) -> dict:
-    """`custom_loop` phase "first" then phase "rest", each in a fresh process
-    (`distgrad_course.lab.child.run_child`): their reports, with their final weights
-    (`"weights"`). Raises `ChildError` with a child's stderr tail if a phase fails."""
-    from distgrad_course.lab.child import run_child
-
-    reports = {}
-    for phase in ("first", "rest"):
-        reports[phase] = run_child(
-            "distgrad_course.lab.preemption:custom_loop",
-            {"workdir": workdir, "phase": phase, "data": data, "replicas": replicas,
-             "without_accumulator": without_accumulator and phase == "rest"},
-            timeout=timeout).value
-        reports[phase]["weights"] = load_weights(reports[phase]["weights_file"])
-    return reports
-
-
-# ------------------------------------------------- a cluster: MWMS, one replica per worker
-
-
-def _write_json(path: str, value: dict) -> None:
-    """Replace `path` with `value` at once (write a sibling, then rename)."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(value, f)
-    os.replace(partial, path)
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
-def progress_path(workdir: str, attempt: int, task_index: int) -> str:
-    """The file worker `task_index` of `attempt` rewrites after every micro-batch
-    (`{"pid", "micro_batches", "periodic_saves"}`); `<it>.strategy.json` says its
-    strategy was created, `<it>.sigterm.json` when SIGTERM arrived and `<it>.exit.json`
-    what the exit_fn saw."""
-    return os.path.join(workdir, "progress", f"attempt{attempt}-worker{task_index}.json")
-
-
-def read_progress(workdir: str, attempt: int, task_index: int, what: str = "") -> dict | None:
-    """The progress record (`what=""`), or its "strategy", "sigterm" or "exit" record;
-    None if there is none."""
-    path = progress_path(workdir, attempt, task_index)
-    return _read_json(f"{path}.{what}.json" if what else path)
+from distgrad_course.lab.cluster_manager import RESTART_EXIT_CODE, _write_json, progress_path
+from distgrad_course.lab.cluster_manager import Fault as Fault
+from distgrad_course.lab.cluster_manager import RestartsExhausted as RestartsExhausted
+from distgrad_course.lab.cluster_manager import read_progress as read_progress
+from distgrad_course.lab.cluster_manager import (
+    run_cluster_with_restarts as run_cluster_with_restarts,
+)
+from distgrad_course.lab.custom_loop_resume import (
+    ACCUMULATION_STEPS,
+    EPOCHS,
+    MICRO_BATCH,
+    MICRO_STEPS,
+    SPLIT,
+    _build,
+    _error,
+    _replica_fn,
+    global_micro_batches,
+)
+from distgrad_course.lab.custom_loop_resume import (
+    iterator_checkpointability as iterator_checkpointability,
+)
+from distgrad_course.lab.custom_loop_resume import load_weights as load_weights
+from distgrad_course.lab.custom_loop_resume import reference_weights as reference_weights
 
 
 def preemptible_worker(task_index: int, num_workers: int, workdir: str, attempt: int = 0,
@@ -445,191 +185,6 @@ def preemptible_worker(task_index: int, num_workers: int, workdir: str, attempt:
             "iterator_checkpoint_error": iterator_error, **counters(),
             "total_run_calls": int(handler.total_run_calls),
             "all_reduce_ops_per_accumulate": all_reduce_ops}
-
-
-# ------------------------------------------------------------ the cluster manager
-
-
-FAULTS = ("SIGTERM", "SIGKILL", "ABSENT")
-
-
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    """What happens to worker `worker` in attempt `attempt` (None: in every attempt).
-
-    "SIGTERM" / "SIGKILL": that signal, once the worker's progress file shows at least
-    `after_micro_batch` micro-batches done. "ABSENT": the worker is not started at all
-    (its machine is gone).
-    """
-
-    worker: int
-    kind: str = "SIGTERM"
-    after_micro_batch: int = SPLIT
-    attempt: int | None = 0
-
-    def __post_init__(self):
-        if self.kind not in FAULTS:
-            raise ValueError(f"kind must be one of {FAULTS}, got {self.kind!r}.")
-
-
-@dataclasses.dataclass
-class Attempt:
-    """One start of the whole cluster.
-
-    `signals`: what the launcher sent (`worker`, `signal`, `micro_batches` its progress
-    file showed then, `seconds` into the attempt). `absent`: workers not started.
-    `returncodes`: each worker's exit status (negative: killed by that signal; None: not
-    started). `killed_by_launcher`: workers still running when the launcher ended the
-    attempt. `results`: each worker's `ChildResult`.
-    """
-
-    index: int
-    ports: list
-    signals: list
-    absent: list
-    returncodes: list
-    killed_by_launcher: list
-    timed_out: bool
-    seconds: float
-    results: list
-
-    @property
-    def succeeded(self) -> bool:
-        return all(r.ok for r in self.results)
-
-
-class RestartsExhausted(RuntimeError):
-    """The cluster failed `max_restarts + 1` times; `attempts` holds every `Attempt`."""
-
-    def __init__(self, message: str, attempts: list):
-        super().__init__(message)
-        self.attempts = attempts
-
-
-@dataclasses.dataclass
-class ClusterRun:
-    """What `run_cluster_with_restarts` did: every `Attempt`, the last one succeeded."""
-
-    workdir: str
-    attempts: list
-
-    @property
-    def results(self) -> list[ChildResult]:
-        return self.attempts[-1].results
-
-
-def _applies(fault: Fault, attempt: int) -> bool:
-    return fault.attempt is None or fault.attempt == attempt
-
-
-def _run_attempt(target: str, num_workers: int, attempt: int, workdir: str, faults,
-                 timeout: float, peer_grace: float, kill_survivors: bool, env: dict | None,
-                 kwargs: dict) -> Attempt:
-    ports, gpus = free_ports(num_workers), visible_gpus()
-    faults = [f for f in faults if _applies(f, attempt)]
-    absent = sorted({f.worker for f in faults if f.kind == "ABSENT"})
-    pending = [f for f in faults if f.kind != "ABSENT" and f.worker not in absent]
-    workers: dict[int, Child] = {}
-    signals, timed_out, first_exit = [], False, None
-    started = time.monotonic()
-    try:
-        for index in range(num_workers):
-            if index not in absent:
-                workers[index] = Child(
-                    target, {"task_index": index, "num_workers": num_workers,
-                             "workdir": workdir, "attempt": attempt, **kwargs},
-                    env={**worker_devices(index, num_workers, gpus), **(env or {}),
-                         "TF_CONFIG": tf_config(ports, index)})
-        while not all(w.poll() for w in workers.values()):
-            now = time.monotonic()
-            for fault in list(pending):
-                progress = read_progress(workdir, attempt, fault.worker)
-                due = progress is not None and progress["micro_batches"] >= fault.after_micro_batch
-                if due and not workers[fault.worker].poll():
-                    os.kill(workers[fault.worker].process.pid, getattr(signal, fault.kind))
-                    signals.append({"worker": fault.worker, "signal": fault.kind,
-                                    "micro_batches": progress["micro_batches"],
-                                    "seconds": now - started})
-                    pending.remove(fault)
-            exited = [w.process.returncode for w in workers.values() if w.poll()]
-            if exited and first_exit is None:
-                first_exit = now
-            if first_exit is not None:
-                # Saved and asked for a restart: the others get `peer_grace` seconds to
-                # finish their part. Any other failure: a cluster manager restarts the whole
-                # job at once (without kill_survivors: the survivors fail by themselves).
-                restart_asked = all(code in (0, RESTART_EXIT_CODE) for code in exited)
-                if (restart_asked and now - first_exit > peer_grace) or (
-                        not restart_asked and kill_survivors):
-                    break
-            if now - started > timeout:
-                timed_out = True
-                break
-            time.sleep(0.05)
-        killed = [i for i, w in workers.items() if not w.poll()]
-    finally:
-        done = {i: w.result() for i, w in workers.items()}  # kills a worker still running
-    results = [done.get(i) or ChildResult(target, None, False, None, None,
-                                          "not started (an ABSENT fault)", 0.0)
-               for i in range(num_workers)]
-    return Attempt(attempt, ports, signals, absent, [r.returncode for r in results], killed,
-                   timed_out, time.monotonic() - started, results)
-
-
-def run_cluster_with_restarts(target: str, num_workers: int = 2, workdir: str | None = None,
-                              faults=(), max_restarts: int = 2, timeout: float = 120.0,
-                              peer_grace: float = 30.0, kill_survivors: bool = True,
-                              env: dict | None = None, **kwargs) -> ClusterRun:
-    """A cluster manager for local MultiWorkerMirroredStrategy jobs.
-
-    Starts `target(task_index=i, num_workers=n, workdir=workdir, attempt=a, **kwargs)` in
-    `num_workers` local processes (`TF_CONFIG` on fresh ports each attempt, each worker
-    its own GPUs or the CPU only, as `distgrad_course.lab.multiworker.run_workers`), applies
-    each `Fault` (a signal sent when the worker's progress file, `progress_path`, is due;
-    or a worker left out), and when an attempt ends without every worker succeeding,
-    starts the whole cluster again: at most `max_restarts` times. When a worker exits
-    with RESTART_EXIT_CODE (it saved), the others get `peer_grace` seconds to exit; any
-    other failure ends the attempt at once (`kill_survivors`), or lets the survivors fail
-    by themselves. An attempt running longer than `timeout` seconds is ended (and counts
-    as failed). Every process it started is killed before it returns or raises.
-
-    Returns a `ClusterRun` (`workdir`, every `Attempt`; the last one succeeded).
-
-    Raises:
-        RestartsExhausted: the last allowed attempt failed too (the message lists every
-            attempt's exit codes, signals and errors; `.attempts` holds them).
-        ValueError: a bad number of workers or restarts, a non-positive timeout, a fault
-            for a worker that does not exist.
-        ImportError / AttributeError: `target` cannot be imported here.
-    """
-    from distgrad_course.lab.args import positive_int
-
-    positive_int("num_workers", num_workers)
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}.")
-    timeout, peer_grace = check_timeout(timeout), check_timeout(peer_grace)
-    faults = list(faults)
-    for fault in faults:
-        if not 0 <= fault.worker < num_workers:
-            raise ValueError(f"a fault for worker {fault.worker}, but the workers are "
-                             f"0..{num_workers - 1}.")
-    resolve(target)
-    workdir = workdir or tempfile.mkdtemp(prefix="distgrad-cluster-")
-    attempts = []
-    for attempt in range(max_restarts + 1):
-        attempts.append(_run_attempt(target, num_workers, attempt, workdir, faults, timeout,
-                                     peer_grace, kill_survivors, env, kwargs))
-        if attempts[-1].succeeded:
-            return ClusterRun(workdir, attempts)
-    lines = []
-    for a in attempts:
-        errors = [r.error and f"{r.error['type']}: {r.error['message'][-300:]}"
-                  for r in a.results]
-        lines.append(f"attempt {a.index}: exit codes {a.returncodes}, signals {a.signals}, "
-                     f"absent {a.absent}, killed by the launcher {a.killed_by_launcher}"
-                     f"{', timed out' if a.timed_out else ''}, errors {errors}")
-    raise RestartsExhausted(f"the cluster failed {len(attempts)} times (max_restarts="
-                            f"{max_restarts}); gave up.\n" + "\n".join(lines), attempts)
 
 
 # ------------------------------------------------------------- experiments for a lesson
