@@ -30,21 +30,16 @@ kept until the next commit: when the newest file is missing, of another size tha
 (a torn upload) or unreadable, the restore warns and falls back to it. Without, it raises.
 
 Every worker reads the backup; only the writer (`write=True`, the chief) touches the
-directory. The others write their `save_weights` (reading replica-local variables is a
-collective every worker must join) to a local temporary directory and delete it. Every
-operation on the directory goes through `tf.io.gfile`, as gs:// needs (and a test's
-emulation of object storage sees).
+directory, every operation through `tf.io.gfile` (as gs:// needs). The others save into a
+local temporary directory (reading replica-local variables is a collective).
 
 Older layouts restore as before and are replaced by the next commit: distgrad 0.2's
 (`latest.weights.h5`, `training_metadata.json` of format "distgrad.BackupAndRestore/1",
 `pending.*` files of an interrupted commit) and `keras.callbacks.BackupAndRestore`'s (the
 same two files, `{"epoch", "batch"}` only). Their commit does not hold on object storage.
 
-The manifest also records what identifies the run (`run_identity`): its run id,
-`accumulation_steps`, the optimizer's class chain and variable layout, the global batch,
-replicas and workers. `load(model, identity)` refuses (before loading any weights) a backup
-that recorded other values, except another replica or worker count with the same global
-batch; one written before these fields existed restores as before.
+The manifest also records the run's identity (`run_identity`), which `load(model,
+identity)` checks before loading any weights (`check_identity`).
 
 This file imports only TensorFlow and the standard library: copy it with
 `backup_and_restore.py`.
