@@ -777,8 +777,9 @@ import tempfile
 
 from distgrad_course.lab.legacy import run_legacy
 
-tf_keras_source = pathlib.Path(importlib.util.find_spec("distgrad").submodule_search_locations[0],
-                               "tf_keras", "optimizer.py").read_text()
+tf_keras_source_path = pathlib.Path(
+    importlib.util.find_spec("distgrad").submodule_search_locations[0], "tf_keras", "optimizer.py")
+tf_keras_source = tf_keras_source_path.read_text()
 start = tf_keras_source.index("    def _cross_replica_step(")
 display(Code(tf_keras_source[start:tf_keras_source.index("    def _apply_accumulated", start)],
              language="python"))
@@ -976,8 +977,9 @@ assert k1.mask_vs_big_batch.within() and k1.mask_iterations == 2
 # wrong in the question's order. The check that raises it:
 
 # %%
-check_start = tf_keras_source.index("if isinstance(inner_optimizer, keras.mixed_precision.")
-check = tf_keras_source[check_start:tf_keras_source.index("if not isinstance", check_start)]
+checks_source = pathlib.Path(tf_keras_source_path.parent, "tf_keras_checks.py").read_text()
+check_start = checks_source.index("if isinstance(inner_optimizer, keras.mixed_precision.")
+check = checks_source[check_start:checks_source.index("if not isinstance", check_start)]
 print(check.strip())
 assert 'raise TypeError("Wrap the other way round' in check.splitlines()[1]
 
