@@ -13,21 +13,9 @@ import keras
 import tensorflow as tf
 
 try:
-    from distgrad.non_finite import (
-        LOSS_SCALE,
-        apply_unless_non_finite,
-        check_policy,
-        clips_each_replica,
-        summed_on_replica_0,
-    )
+    from distgrad import non_finite as non_finite_handling
 except ImportError:  # copied into a project: non_finite.py beside this file
-    from non_finite import (
-        LOSS_SCALE,
-        apply_unless_non_finite,
-        check_policy,
-        clips_each_replica,
-        summed_on_replica_0,
-    )
+    import non_finite as non_finite_handling
 
 # The oldest versions the version matrix passes (docs/versions.md): Keras 3 from 3.10 (< 3.5
 # does not sum gradients over replicas in apply_gradients, keras-team/keras#19969), and the
@@ -145,7 +133,7 @@ class GradientAccumulator(tf.Module):
         if not variables:
             raise ValueError("Pass at least one variable (e.g. model.trainable_variables) to "
                              "GradientAccumulator.")
-        check_policy(non_finite)
+        non_finite_handling.check_policy(non_finite)
         self.non_finite = non_finite
         strategy = tf.distribute.get_strategy()
         in_scope = tf.distribute.has_strategy()
@@ -273,16 +261,17 @@ class GradientAccumulator(tf.Module):
 
         with tf.control_dependencies([check]):  # gates every op below, not only the Assert
             grads = self.gradients()
-            if clips_each_replica(optimizer):  # one more all-reduce: the sum is clipped
-                grads = summed_on_replica_0(grads)
+            if non_finite_handling.clips_each_replica(optimizer):  # one more all-reduce:
+                grads = non_finite_handling.summed_on_replica_0(grads)  # the sum is clipped
             if _is_loss_scale_optimizer(optimizer):
-                policy, on_skip = LOSS_SCALE, lambda: self.skipped_updates.assign_add(1)
+                policy, on_skip = (non_finite_handling.LOSS_SCALE,
+                                   lambda: self.skipped_updates.assign_add(1))
             elif getattr(optimizer, "non_finite", None) is not None:
                 apply_and_reset(grads)  # its own policy (AccumulatingOptimizer)
                 return
             else:
                 policy, on_skip = self.non_finite, skip
-            apply_unless_non_finite(apply_and_reset, grads, policy, lambda: [
+            non_finite_handling.apply_unless_non_finite(apply_and_reset, grads, policy, lambda: [
                 "GradientAccumulator: NaN/Inf accumulated gradients on some replica at update",
                 optimizer.iterations + 1,
                 "(optimizer.iterations + 1); nothing applied, the buffers keep their sums."],

@@ -13,21 +13,9 @@ import keras
 import tensorflow as tf
 
 try:
-    from distgrad.non_finite import (
-        LOSS_SCALE,
-        apply_unless_non_finite,
-        check_policy,
-        clips_each_replica,
-        summed_on_replica_0,
-    )
+    from distgrad import non_finite as non_finite_handling
 except ImportError:  # copied into a project: non_finite.py beside this file
-    from non_finite import (
-        LOSS_SCALE,
-        apply_unless_non_finite,
-        check_policy,
-        clips_each_replica,
-        summed_on_replica_0,
-    )
+    import non_finite as non_finite_handling
 
 # The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
 # < 3.5 does not sum gradients over replicas (keras-team/keras#19969), < 3.4 has no
@@ -159,7 +147,7 @@ class MicroBatching:
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
-        check_policy(non_finite)
+        non_finite_handling.check_policy(non_finite)
         self.non_finite = non_finite
         # A tf.Variable, not a Keras one, so that it is not one of the model's weights.
         self.skipped_updates = tf.Variable(
@@ -263,8 +251,8 @@ class MicroBatching:
     def _apply_summed(self, gradients, trainable):
         # The only sync: the optimizer's SUM all-reduce (with clipping, one more before it).
         optimizer = self.optimizer
-        if clips_each_replica(optimizer):
-            gradients = summed_on_replica_0(gradients)
+        if non_finite_handling.clips_each_replica(optimizer):
+            gradients = non_finite_handling.summed_on_replica_0(gradients)
 
         def apply(grads):
             optimizer.apply_gradients(zip(grads, trainable))
@@ -275,9 +263,9 @@ class MicroBatching:
             return
         # Keras' LossScaleOptimizer skips and halves its scale, but reads replica 0
         # only: poisoned gradients make it see an overflow on any replica.
-        policy = (LOSS_SCALE if isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-                  else self.non_finite)
-        apply_unless_non_finite(apply, gradients, policy, lambda: [
+        lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        policy = non_finite_handling.LOSS_SCALE if lso else self.non_finite
+        non_finite_handling.apply_unless_non_finite(apply, gradients, policy, lambda: [
             "MicroBatching: NaN/Inf summed gradients on some replica at update",
             optimizer.iterations + 1, "(optimizer.iterations + 1); nothing was applied."],
             lambda: self.skipped_updates.assign_add(1))

@@ -53,31 +53,19 @@ import sys
 import time
 from pathlib import Path
 
-if __package__:
-    from .matrix_results import (
-        NIGHTLY,
-        RELEASE,
-        UPSTREAM_TESTS,
-        junit_results,
-        lesson_failure,
-        per_test_results,
-        summary,
-        upstream_results,
-    )
-    from .matrix_tables import write_tables
-else:  # run by path (`make matrix`): its modules are beside it, whatever the current folder
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from matrix_results import (
-        NIGHTLY,
-        RELEASE,
-        UPSTREAM_TESTS,
-        junit_results,
-        lesson_failure,
-        per_test_results,
-        summary,
-        upstream_results,
-    )
-    from matrix_tables import write_tables
+if not __package__:  # run by path (`make matrix`, any Python): its package is beside it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from distgrad_course.matrix_results import (
+    NIGHTLY,
+    RELEASE,
+    UPSTREAM_TESTS,
+    junit_results,
+    lesson_failure,
+    per_test_results,
+    summary,
+    upstream_results,
+)
+from distgrad_course.matrix_tables import write_tables
 
 ROOT = Path(__file__).resolve().parents[3]  # src/course/distgrad_course/version_matrix.py
 BUILD = ROOT / "build" / "matrix"
