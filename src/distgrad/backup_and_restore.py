@@ -105,7 +105,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._fit_data = fit_data.describe_fit_data(x, y, batch_size, shuffle,
                                                     steps_per_epoch, validation_split)
 
-
     def _strategy(self):
         return self.model.distribute_strategy
 
@@ -171,7 +170,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.model._initial_epoch = None  # a later fit of this model starts where told
         if self.delete_checkpoint and self._writes():
             self._store.delete()
-
 
     def _check_data_order(self):
         why, certain = self._data.why_order, self._data.order_certain
@@ -251,7 +249,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             next(iterator)
             self._read += 1
 
-
     def _restore_metrics(self, totals, element_spec) -> None:
         if totals is None:
             return  # the epoch's logs then average the batches after the resume only
@@ -270,7 +267,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "the run that wrote the backup, or delete the backup to start over.")
         for variable, value in zip(variables, totals):
             variable.assign(tf.cast(value, variable.dtype))
-
 
     def _backup(self, epoch: int, batch: int) -> None:
         self._since_backup = 0
