@@ -19,7 +19,7 @@ PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: course test install lint copy-lessons lessons site site-test chromium nodejs slurm serve unit unit-and-lessons bench gpu-check matrix clean
+.PHONY: course test install lint copy-lessons lessons site site-test chromium nodejs slurm serve unit unit-and-lessons bench gpu-check matrix copies clean
 
 install: $(STAMP)
 
@@ -103,6 +103,12 @@ lint: install $(LINT_STAMP)
 	$(PY) -m ruff check .
 	node $(LINT_TOOLS)/lint.cjs $(WORKFLOWS)
 	$(PY) -m check_jsonschema --builtin-schema vendor.github-workflows $(WORKFLOWS)
+
+# The non-finite policy is defined once, in src/distgrad/non_finite.py; each reference file
+# that uses it carries a generated copy, so that it copies alone. After editing it, rewrite
+# the copies (tests/test_copy_alone.py fails while one is stale).
+copies: install
+	$(PY) -m distgrad_course.copies
 
 # The npm tools of `make lint`, installed once from their lockfile (as the venv from
 # pyproject.toml) into .github/lint/node_modules.

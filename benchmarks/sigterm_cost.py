@@ -32,8 +32,7 @@ def worker(task_index: int, num_workers: int, batches: int, rounds: int) -> dict
     """On every worker: the paired rounds; the chief's numbers are returned."""
     import keras
 
-    from distgrad.backup_and_restore import BackupAndRestore
-    from distgrad.preemption import SigtermWatch, cluster_of
+    from distgrad.backup_and_restore import BackupAndRestore, SigtermWatch, cluster_of
     from distgrad_course.lab import backup
     from distgrad_course.lab.multiworker import make_worker_strategy
 

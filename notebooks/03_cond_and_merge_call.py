@@ -563,15 +563,15 @@ show_code(AccumulatingOptimizer._cross_replica_step)
 # ### Deep dive · `_apply_accumulated`, `model.fit` and a custom loop
 #
 # On the taken branch every replica runs `_apply_accumulated`: it divides the sums by the
-# cycle's micro-step count, k, and hands them to `inner_update.apply_to_inner`, which clips
+# cycle's micro-step count, k, and hands them to `apply_to_inner` (in the same file), which clips
 # if the inner optimizer was configured to and calls the inner optimizer, whose SUM
 # all-reduce is the only gradient communication of the cycle:
 
 # %%
-from distgrad import inner_update
+from distgrad import optimizer as optimizer_file
 
 show_code(AccumulatingOptimizer._apply_accumulated)
-show_code(inner_update.apply_to_inner)
+show_code(optimizer_file.apply_to_inner)
 
 # %% [markdown]
 # In `model.fit` on R replicas, and in a custom loop, against one-device big-batch `fit`:
@@ -977,7 +977,7 @@ assert k1.mask_vs_big_batch.within() and k1.mask_iterations == 2
 # wrong in the question's order. The check that raises it:
 
 # %%
-checks_source = pathlib.Path(tf_keras_source_path.parent, "tf_keras_checks.py").read_text()
+checks_source = tf_keras_source_path.read_text()
 check_start = checks_source.index("if isinstance(inner_optimizer, keras.mixed_precision.")
 check = checks_source[check_start:checks_source.index("if not isinstance", check_start)]
 print(check.strip())

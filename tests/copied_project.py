@@ -1,8 +1,7 @@
-"""A user's project that copied three reference classes' files and what they share.
+"""A user's project that copied three reference classes' files, each alone.
 
-Run as `python copied_project.py DIR` where DIR holds copies of `optimizer.py` (with
-`optimizer_checks.py`, `inner_update.py`, `keras_loss_scale.py`), `accumulator.py`,
-`train_step.py` and `non_finite.py`. Importing `distgrad` raises here, so
+Run as `python copied_project.py DIR` where DIR holds copies of `optimizer.py`,
+`accumulator.py` and `train_step.py`. Importing `distgrad` raises here, so
 the copies must work alone. Trains each under a 2-replica MirroredStrategy and prints, as JSON,
 how far each is from one-device big-batch training (`allclose_ratio`).
 """

@@ -25,8 +25,8 @@ import keras
 import pytest
 import tensorflow as tf
 
+from distgrad.backup_and_restore import MANIFEST as METADATA_FILE
 from distgrad.backup_and_restore import BackupAndRestore
-from distgrad.backup_commit import MANIFEST as METADATA_FILE
 from distgrad_course.lab import backup
 from distgrad_course.lab.backup import assert_same_run
 from distgrad_course.lab.child import run_child

@@ -1,5 +1,5 @@
-"""`BackupAndRestore`'s commit (`distgrad.backup_commit`) on emulated object storage: a
-process killed at every file operation of a backup, on 1 worker and on 2, restarts into
+"""`BackupAndRestore`'s commit (its `BackupStore`) on emulated object storage: a process
+killed at every file operation of a backup, on 1 worker and on 2, restarts into
 the uninterrupted run; `double_checkpoint` falls back after a torn write; distgrad 0.2's
 layout still restores.
 
@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from distgrad.backup_commit import LEGACY_FORMAT, LEGACY_WEIGHTS, MANIFEST
+from distgrad.backup_and_restore import LEGACY_FORMAT, LEGACY_WEIGHTS, MANIFEST
 from distgrad_course.lab import backup, object_store
 from distgrad_course.lab.backup import assert_same_run
 from distgrad_course.lab.child import run_child

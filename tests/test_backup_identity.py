@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from distgrad.backup_commit import IDENTITY_FIELDS, MANIFEST
+from distgrad.backup_and_restore import IDENTITY_FIELDS, MANIFEST
 from distgrad_course.lab import backup
 from distgrad_course.lab.backup import assert_same_run
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import tensorflow as tf
 
-from distgrad.backup_commit import MANIFEST
+from distgrad.backup_and_restore import MANIFEST
 from distgrad_course.lab import backup, object_store
 from distgrad_course.lab.backup import assert_same_run
 from distgrad_course.lab.child import run_child

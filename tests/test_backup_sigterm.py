@@ -1,4 +1,4 @@
-"""`BackupAndRestore` on `SIGTERM` (`distgrad.preemption`): a real `SIGTERM` to one worker of
+"""`BackupAndRestore` on `SIGTERM` (`SigtermWatch`): a real `SIGTERM` to one worker of
 two, and to a one-process `fit`; each finishes the batch, backs up after the same batch on
 every worker, exits with `PREEMPTED_EXIT_CODE`, and the restart equals the uninterrupted run.
 
@@ -18,9 +18,12 @@ import threading
 
 import pytest
 
-from distgrad.backup_and_restore import PREEMPTED_EXIT_CODE, BackupAndRestore
-from distgrad.backup_commit import MANIFEST
-from distgrad.preemption import SigtermWatch
+from distgrad.backup_and_restore import (
+    MANIFEST,
+    PREEMPTED_EXIT_CODE,
+    BackupAndRestore,
+    SigtermWatch,
+)
 from distgrad_course.lab import backup
 from distgrad_course.lab.backup import assert_same_run
 from distgrad_course.lab.multiworker import run_workers

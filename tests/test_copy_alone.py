@@ -12,31 +12,22 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "distgrad"
-REFERENCE_FILES = ("optimizer.py", "optimizer_checks.py", "inner_update.py",
-                   "keras_loss_scale.py", "accumulator.py", "train_step.py", "mixed_precision.py",
-                   "non_finite.py", "callbacks.py", "backup_and_restore.py", "backup_commit.py",
-                   "fit_data.py", "preemption.py", "clipping.py", "normalization.py", "sparse.py",
-                   "multi_worker.py", "tf_keras/optimizer.py", "tf_keras/tf_keras_checks.py",
-                   "tf_keras/tf_keras_state.py")
+REFERENCE_FILES = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
+                   "non_finite.py", "callbacks.py", "backup_and_restore.py", "clipping.py",
+                   "normalization.py", "sparse.py", "multi_worker.py", "tf_keras/optimizer.py")
 ALLOWED = set(sys.stdlib_module_names) | {"tensorflow", "keras", "numpy", "__future__"}
-# A reference file copied together with another: it imports `distgrad.<module>`, or, copied
-# (no distgrad installed), `<module>` beside it. Its docstring says so.
-BACKUP_FILES = ("backup_and_restore", "backup_commit", "fit_data", "preemption")
-# The non-finite policy is defined once, in non_finite.py, copied with each class that uses it.
-NON_FINITE_USERS = ("optimizer.py", "accumulator.py", "train_step.py", "mixed_precision.py",
-                    "optimizer_checks.py", "inner_update.py")
-# AccumulatingOptimizer's files: what it refuses, the update a cycle makes, Keras' own
-# LossScaleOptimizer around it; tf-keras: what it refuses, what it saves (from tf_keras/).
-OPTIMIZER_FILES = ("optimizer_checks", "inner_update", "keras_loss_scale")
-TF_KERAS_FILES = ("tf_keras_checks", "tf_keras_state")
-COPIED_WITH = {"backup_and_restore.py": BACKUP_FILES[1:],
-               **{name: ("non_finite",) for name in NON_FINITE_USERS},
-               "optimizer.py": ("non_finite", *OPTIMIZER_FILES),
-               "tf_keras/optimizer.py": TF_KERAS_FILES}
+# The files that carry a generated copy of what they use of non_finite.py.
+NON_FINITE_USERS = ["accumulator.py", "mixed_precision.py", "optimizer.py", "train_step.py"]
+
+
+def test_every_library_file_is_a_reference_file_or_a_package_init():
+    library = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")}
+    assert library - set(REFERENCE_FILES) == {"__init__.py", "tf_keras/__init__.py"}
 
 
 @pytest.mark.parametrize("name", REFERENCE_FILES)
 def test_reference_module_imports_only_tensorflow_keras_numpy_and_the_stdlib(name):
+    """Each file copies alone: no import of distgrad or of another file beside it."""
     tree = ast.parse((SRC / name).read_text())
     roots = set()
     for node in ast.walk(tree):
@@ -45,44 +36,30 @@ def test_reference_module_imports_only_tensorflow_keras_numpy_and_the_stdlib(nam
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{name} has a relative import"
             roots.add(node.module.split(".")[0])
-            if name in COPIED_WITH and node.module.startswith("distgrad"):
-                package = node.module in ("distgrad", "distgrad.tf_keras")
-                companions = {alias.name for alias in node.names} if package \
-                    else {node.module.rsplit(".", 1)[-1]}  # or distgrad[.tf_keras].<file>
-                assert companions <= set(COPIED_WITH[name]), node.module
-    companions = COPIED_WITH.get(name, ())
-    allowed = ALLOWED | ({"distgrad", *companions} if companions else set())
-    assert roots <= allowed, f"{name} imports {sorted(roots - ALLOWED)}"
-    for companion in companions:
-        assert f"`{companion}.py`" in ast.get_docstring(tree)
+    assert roots <= ALLOWED, f"{name} imports {sorted(roots - ALLOWED)}"
 
 
-def test_backup_and_restore_copied_with_its_companions_backs_up_without_distgrad(
-        tmp_path, monkeypatch):
-    """backup_and_restore.py, backup_commit.py, fit_data.py and preemption.py copied into a
-    project without distgrad: a fit's backup is written by the copy, no warning."""
+def test_backup_and_restore_copied_alone_backs_up_without_distgrad(tmp_path, monkeypatch):
+    """backup_and_restore.py copied alone into a project without distgrad: a fit's backup
+    is written by the copy, no warning."""
     import warnings
 
     import keras
     import numpy as np
 
-    for name in BACKUP_FILES:
-        shutil.copy(SRC / f"{name}.py", tmp_path / f"{name}.py")
-    for module in ("distgrad", *(f"distgrad.{name}" for name in BACKUP_FILES)):  # as if
-        monkeypatch.setitem(sys.modules, module, None)  # distgrad were not installed
-    for module in BACKUP_FILES:
-        monkeypatch.delitem(sys.modules, module, raising=False)
+    shutil.copy(SRC / "backup_and_restore.py", tmp_path / "backup_and_restore.py")
+    for module in ("distgrad", "distgrad.backup_and_restore"):  # as if distgrad were not
+        monkeypatch.setitem(sys.modules, module, None)  # installed
+    monkeypatch.delitem(sys.modules, "backup_and_restore", raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))
     registry = keras.saving.get_custom_objects()  # the copy registers its own model class
     saved = dict(registry)
     copied = importlib.import_module("backup_and_restore")
-    fit_data = importlib.import_module("fit_data")
     registry.clear()
     registry.update(saved)  # later tests load distgrad's own ResumableFitModel
-    assert [copied.backup_commit.__name__, copied.fit_data.__name__,
-            copied.preemption.__name__] == ["backup_commit", "fit_data", "preemption"]
+    assert copied.__file__ == str(tmp_path / "backup_and_restore.py")
     inputs = keras.Input((2,))
-    model = fit_data.ResumableFitModel(inputs, keras.layers.Dense(1)(inputs))
+    model = copied.ResumableFitModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse")
     x = np.arange(32, dtype="float32").reshape(16, 2) / 16
     backup_dir = tmp_path / "backup"
@@ -98,8 +75,7 @@ def test_backup_and_restore_copied_with_its_companions_backs_up_without_distgrad
 
 
 def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path):
-    for name in ("optimizer.py", "accumulator.py", "train_step.py", "non_finite.py",
-                 *(f"{companion}.py" for companion in OPTIMIZER_FILES)):
+    for name in ("optimizer.py", "accumulator.py", "train_step.py"):  # each alone
         shutil.copy(SRC / name, tmp_path / name)
     done = subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).with_name("copied_project.py")),
@@ -116,8 +92,7 @@ def test_the_copied_tf_keras_file_trains_under_tf_keras_equal_to_big_batch(tmp_p
     from distgrad_course.lab.data import regression_data
     from distgrad_course.lab.legacy import run_legacy
 
-    for name in ("optimizer", *TF_KERAS_FILES):
-        shutil.copy(SRC / "tf_keras" / f"{name}.py", tmp_path / f"{name}.py")
+    shutil.copy(SRC / "tf_keras" / "optimizer.py", tmp_path / "optimizer.py")
     x, y = regression_data(32)
     path = f"{tmp_path}{os.pathsep}{pathlib.Path(__file__).parent}"
     runs = run_legacy("tf_keras_children:fit_equivalence", 2, env={"PYTHONPATH": path},
@@ -140,12 +115,35 @@ def test_the_base_install_is_the_reference_package_only(tmp_path):
     names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]}
     assert names == {"tensorflow", "keras", "numpy"}
     assert set(project["optional-dependencies"]) == {"docs", "test", "legacy", "bench"}
+    clone = tmp_path / "clone"  # the tracked files: a stale build/lib would go in the wheel
+    shutil.copytree(SRC, clone / "src" / "distgrad",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", *(p.name for p in root.glob("LICENSE*"))):
+        shutil.copy(root / name, clone / name)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-         "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=300)
+         "-w", str(tmp_path), str(clone)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
     wheel, = tmp_path.glob("distgrad-*.whl")
     modules = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
     expected = {f"distgrad/{p.relative_to(SRC)}" for p in SRC.rglob("*.py")}
     assert modules == expected
     assert not any("lab" in m or "pitfalls" in m or "devices" in m for m in modules)
+
+
+def test_the_non_finite_policy_is_defined_once_and_each_copy_is_generated_from_it(tmp_path):
+    """non_finite.py is the one definition; the files that use it carry a generated copy
+    (`make copies`), which must match it. A change there that was not copied is caught."""
+    from distgrad_course import copies
+
+    assert copies.files_with_copies() == NON_FINITE_USERS
+    assert copies.stale_copies() == []
+    library = tmp_path / "distgrad"
+    shutil.copytree(SRC, library, ignore=shutil.ignore_patterns("__pycache__"))
+    policy = library / "non_finite.py"
+    policy.write_text(policy.read_text().replace('("raise", "skip")', '("raise", "skip", "zero")'))
+    assert copies.stale_copies(library) == ["accumulator.py", "optimizer.py", "train_step.py"]
+    stale = library / "optimizer.py"
+    stale.write_text(copies.regenerate(stale.read_text(), policy.read_text()))
+    assert '"zero")' in stale.read_text()
+    assert copies.stale_copies(library) == ["accumulator.py", "train_step.py"]

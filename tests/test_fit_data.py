@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from distgrad.fit_data import ResumableFit, ResumableFitModel, describe_fit_data
+from distgrad.backup_and_restore import ResumableFit, ResumableFitModel, describe_fit_data
 
 
 def test_arrays_give_their_batch_count_and_keras_default_batch():

@@ -11,11 +11,10 @@ the standard library (copy one into your project and it works alone):
   k micro-batches inside one `fit` step;
 * `AccumulationCallback` (`distgrad/callbacks.py`): in `fit`, flush or discard an
   `AccumulatingOptimizer`'s incomplete cycle at each epoch's end, and log skipped updates;
-* `BackupAndRestore` (`distgrad/backup_and_restore.py`, with `backup_commit.py`,
-  `fit_data.py` and `preemption.py`): `keras.callbacks.BackupAndRestore` that resumes an
-  interrupted `fit` where its backup was taken (mid-epoch, mid-cycle, after a `SIGTERM`),
-  where Keras 3's trains the interrupted epoch again; `ResumableFit`, `ResumableFitModel`
-  (`distgrad/fit_data.py`): a model whose `fit` hands it `fit`'s arguments;
+* `BackupAndRestore` (`distgrad/backup_and_restore.py`): `keras.callbacks.BackupAndRestore`
+  that resumes an interrupted `fit` where its backup was taken (mid-epoch, mid-cycle, after
+  a `SIGTERM`), where Keras 3's trains the interrupted epoch again; `ResumableFit`,
+  `ResumableFitModel` (same file): a model whose `fit` hands it `fit`'s arguments;
 * `MultiWorkerFit`, `MultiWorkerFitModel` (`distgrad/multi_worker.py`): `model.fit` on a
   multi-worker `MultiWorkerMirroredStrategy`, where stock Keras 3 fails;
 * `distgrad.tf_keras.AccumulatingOptimizer` (`distgrad/tf_keras/optimizer.py`, TensorFlow
@@ -51,8 +50,8 @@ _EXPORTS = {
     "AccumulationCallback": "distgrad.callbacks",
     "BackupAndRestore": "distgrad.backup_and_restore",
     "PREEMPTED_EXIT_CODE": "distgrad.backup_and_restore",
-    "ResumableFit": "distgrad.fit_data",
-    "ResumableFitModel": "distgrad.fit_data",
+    "ResumableFit": "distgrad.backup_and_restore",
+    "ResumableFitModel": "distgrad.backup_and_restore",
     "GradientAccumulator": "distgrad.accumulator",
     "MicroBatching": "distgrad.train_step",
     "MicroBatchingModel": "distgrad.train_step",
@@ -70,7 +69,7 @@ __all__ = sorted(_EXPORTS)
 # The modules whose classes `model.save` can write: Keras finds a class at load time only
 # if its module was imported (it imports only Keras' own modules by itself).
 SAVEABLE_MODULES = ("distgrad.optimizer", "distgrad.mixed_precision", "distgrad.train_step",
-                    "distgrad.multi_worker", "distgrad.fit_data")
+                    "distgrad.multi_worker", "distgrad.backup_and_restore")
 LEGACY_SAVEABLE_MODULES = ("distgrad.tf_keras.optimizer",)
 
 

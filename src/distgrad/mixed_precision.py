@@ -1,7 +1,7 @@
 """A Keras 3 `LossScaleOptimizer` that skips a step when *any* replica overflowed.
 
-Copy this file with `non_finite.py` (the finiteness all-reduce it shares): it imports only
-TensorFlow, Keras and `distgrad.non_finite`, or, copied into a project, `non_finite`. Why
+It imports only TensorFlow, Keras and the standard library: copy this one file (the
+finiteness all-reduce at its end is generated from `non_finite.py`). Why
 Keras' own wrapper misses an overflow on replica 1: docs/design.md,
 "AllReplicasFiniteLossScaleOptimizer".
 """
@@ -13,10 +13,8 @@ import warnings
 import keras
 import tensorflow as tf
 
-try:
-    from distgrad.non_finite import finite_everywhere
-except ImportError:  # copied into a project: non_finite.py beside this file
-    from non_finite import finite_everywhere
+# The public names (the API page documents them); the other functions serve them.
+__all__ = ["AllReplicasFiniteLossScaleOptimizer"]
 
 # The oldest versions the version matrix passes (docs/versions.md). Older Keras fails here:
 # < 3.5 does not sum gradients over replicas (keras-team/keras#19969).
@@ -146,3 +144,20 @@ class AllReplicasFiniteLossScaleOptimizer(keras.mixed_precision.LossScaleOptimiz
         tf.distribute.get_replica_context().merge_call(
             _handle_cross_replica, args=(grads, trainable_variables))
 
+
+# ---- generated from non_finite.py: finite_everywhere
+# Copied here so that this file copies alone: edit non_finite.py, then run `make copies`.
+
+def finite_everywhere(distribution, finite):
+    """Cross-replica context: whether the per-replica flag `finite` holds on every replica
+    of every worker (one small all-reduce on 2+ workers, none on one)."""
+    local = distribution.experimental_local_results(finite)
+    if distribution.num_replicas_in_sync == len(local):
+        return tf.reduce_all(tf.stack(local))
+    non_finite = distribution.experimental_distribute_values_from_function(
+        lambda value_context: 1.0 - tf.cast(
+            local[value_context.replica_id_in_sync_group % len(local)], tf.float32))
+    return tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, non_finite, axis=None), 0.0)
+
+
+# ---- end of the code generated from non_finite.py

@@ -1,9 +1,9 @@
 """What a step does with NaN/Inf gradients: raise or skip, decided alike on every replica.
 
-The reference classes share it: `optimizer.py`, `accumulator.py`, `train_step.py` and
-`mixed_precision.py` import it as `distgrad.non_finite`, or, copied into a project, as
-`non_finite` beside them. It imports only TensorFlow and Keras. Why each step is there:
-docs/design.md, "The non-finite policy".
+Defined here once. `optimizer.py`, `accumulator.py`, `train_step.py` and
+`mixed_precision.py` each carry a generated copy of what they use (`make copies` writes
+it), so that each copies alone. It imports only TensorFlow and Keras. Why each step is
+there: docs/design.md, "The non-finite policy".
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@
 Under `mixed_float16`, `compile` wraps it in tf-keras' `LossScaleOptimizer`; wrapping by
 hand, the order is `LossScaleOptimizer(AccumulatingOptimizer(inner, k))`, never the other.
 
-Copy it into a tf-keras project with `tf_keras_state.py` (what it saves and restores) and
-`tf_keras_checks.py` (what it refuses), both from `distgrad/tf_keras/`: it imports only
-TensorFlow and `distgrad.tf_keras.<those>`, or, copied, `<those>`.
-Any name but `tf_keras.py` (which would shadow the tf-keras package). The Keras 3 class is
-`distgrad/optimizer.py`; a Keras 3 process cannot import this one.
+It imports only TensorFlow and the standard library: copy this one file into a tf-keras
+project, under any name but `tf_keras.py` (which would shadow the tf-keras package). The
+Keras 3 class is `distgrad/optimizer.py`; a Keras 3 process cannot import this one.
 """
 
 from __future__ import annotations
@@ -22,12 +20,30 @@ import warnings
 
 import tensorflow as tf
 
-try:
-    from distgrad.tf_keras import tf_keras_checks as optimizer_checks
-    from distgrad.tf_keras.tf_keras_state import SavedState
-except ImportError:  # copied into a project: those files beside this one
-    import tf_keras_checks as optimizer_checks
-    from tf_keras_state import SavedState
+# The public names (the API page documents them); the other functions serve them.
+__all__ = ["AccumulatingOptimizer"]
+
+# Where tf.keras.Model lives in Keras 2: tf-keras (tested: 2.15-2.21), or the `keras` 2.x of
+# TensorFlow <= 2.15 (tested: TensorFlow 2.15.1's Keras 2.15.0, by `make matrix TF=2.15`).
+KERAS_2_PACKAGES = ("tf_keras.", "keras.src.engine.", "keras.engine.")
+NON_FINITE_POLICIES = ("raise", "skip")
+
+
+def tf_keras():
+    """`tf.keras` if it is Keras 2 (tf-keras, or TensorFlow 2.15's Keras), else ImportError."""
+    try:
+        keras, model_module = tf.keras, tf.keras.Model.__module__
+    except (ImportError, AttributeError) as err:  # TF_USE_LEGACY_KERAS=1 without tf-keras
+        raise ImportError(f"tf.keras cannot be imported ({err}): `pip install tf-keras` (the "
+                          "same minor version as tensorflow).") from None
+    if not model_module.startswith(KERAS_2_PACKAGES):
+        raise ImportError(
+            f"This AccumulatingOptimizer is for tf-keras (Keras 2), but tf.keras is Keras 3 "
+            f"here ({model_module}). Set the environment variable TF_USE_LEGACY_KERAS=1 "
+            "before TensorFlow is imported (and `pip install tf-keras`), or, for Keras 3, "
+            "use distgrad.AccumulatingOptimizer (distgrad/optimizer.py).")
+    return keras
+
 
 NON_FINITE_MESSAGE = ("AccumulatingOptimizer: NaN/Inf gradients on some replica in the cycle "
                       "of update")
@@ -35,7 +51,7 @@ NON_FINITE_HINT = ("(total_micro_steps); nothing applied. non_finite='skip' woul
                    "count it.")
 
 
-keras = optimizer_checks.tf_keras()
+keras = tf_keras()
 OptimizerV2 = keras.optimizers.legacy.Optimizer  # the era's optimizers (tf.keras before 2.11)
 
 
@@ -47,7 +63,7 @@ class _Untracked:
 
 
 @keras.utils.register_keras_serializable(package="distgrad")
-class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
+class AccumulatingOptimizer(keras.optimizers.Optimizer):
     """Accumulate `accumulation_steps` micro-batch gradients, then update `inner_optimizer`.
 
     tf-keras (Keras 2). Every k-th call of `apply_gradients` updates the inner optimizer with
@@ -74,7 +90,7 @@ class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
     it is accumulated; an overflow on any replica skips that micro-batch on every replica
     (`aggregate_gradients`) and halves the scale once. The cycle waits for k finite ones.
 
-    State (`tf.train.Checkpoint` and `model.save`: `distgrad.tf_keras.tf_keras_state`):
+    State (`tf.train.Checkpoint` and `model.save`: see "What it saves and restores" below):
     `accumulators`, `micro_steps` (`0 <= n < k`), `total_micro_steps`, `skipped_updates`;
     `iterations`: updates plus the micro-batches a wrapping `LossScaleOptimizer` skipped
     (`skipped_micro_batches`); `inner_optimizer.iterations` counts updates only. A `fit`
@@ -97,7 +113,7 @@ class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
 
     def __init__(self, inner_optimizer, accumulation_steps, non_finite="raise",
                  name="AccumulatingOptimizer", **kwargs):
-        optimizer_checks.check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs)
+        check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs)
         super().__init__(name=name, jit_compile=False)
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps
@@ -140,7 +156,7 @@ class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
         if getattr(self, "_built", False):
             return
         strategy = tf.distribute.get_strategy()
-        optimizer_checks.check_built_under(self, strategy)
+        check_built_under(self, strategy)
         self._model_variables = _Untracked(var_list)
         # ON_READ + SUM: each replica adds to its own copy, no communication; a cross-
         # replica read (and a checkpoint) is the sum. float32: float16 sums lose gradients.
@@ -308,6 +324,73 @@ class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
                 f"(`skipped_micro_batches`: {micro_batches} in all).", stacklevel=2)
         self._skips_reported = counts
 
+    # ---- What it saves and restores. `tf.train.Checkpoint` and `model.save` (`.keras`, or `.h5`
+    # without loss scaling) save the wrapper's variables (the accumulators among them), the inner
+    # optimizer's, and the dynamic loss scale of a wrapping `LossScaleOptimizer`, which `model.save`
+    # alone would reset. The accumulators are replica-local SUM variables: a checkpoint holds their
+    # sum over replicas and restores sum / R on every replica, so a restored cycle ends with the
+    # same update. Under a `LossScaleOptimizer`, `variables` leaves them out (that wrapper restores
+    # `variables` by plain assignment, which a SUM variable under a strategy cannot take from a
+    # file); `save_own_variables` / `load_own_variables` keep them.
+    #
+    # A `mixed_float16` model is compiled with a `LossScaleOptimizer` on load only when the global
+    # policy is `mixed_float16` (tf-keras wraps in `compile`): set it before `load_model`, or the
+    # load raises a `ValueError` that says so. Under `mixed_float16` use `.keras` (tf-keras' `.h5`
+    # loader restores an optimizer's state with `set_weights`, which its `LossScaleOptimizerV3`
+    # lacks).
+
+    @property
+    def variables(self):  # the wrapper's, the inner optimizer's, the loss scale's
+        if not getattr(self, "_is_wrapped_by_loss_scale_optimizer", False):
+            return _CallableList(self._state())
+        accumulators = {id(a) for a in self._accumulators}
+        return _CallableList(v for v in self._state() if id(v) not in accumulators)
+
+    def _state(self):  # everything `model.save` keeps, in this order
+        # A wrapping LossScaleOptimizer tracks its dynamic loss scale through this
+        # optimizer (DelegatingTrackableMixin), under the name "loss_scale".
+        loss_scale = self._lookup_dependency("loss_scale")
+        return (self._variables + _listed(self.inner_optimizer.variables)
+                + ([] if loss_scale is None else [loss_scale.current_loss_scale,
+                                                  loss_scale.counter]))
+
+    def save_own_variables(self, store):  # all of `_state()`, the accumulators too
+        for i, variable in enumerate(self._state()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):  # `model.save` files hold h5py datasets, and
+        # assigning one to a SUM variable across replicas divides it first: read arrays.
+        values = [store[str(i)][()] for i in range(len(store.keys()))]
+        core = len(self._variables) + len(_listed(self.inner_optimizer.variables))
+        # A LossScaleOptimizer's file holds its `variables` (no accumulators; see above)
+        # with the loss scale; the inner file holds everything.
+        saved_under_loss_scaling = len(values) != core and len(values) in (
+            core + 2, core + 2 - len(self._accumulators))
+        if saved_under_loss_scaling and len(self._state()) == core:
+            raise ValueError(
+                "AccumulatingOptimizer: this file was saved under a LossScaleOptimizer "
+                "(mixed_float16), but the loaded model compiled it without one: tf-keras "
+                "wraps the optimizer in compile only when the global dtype policy is "
+                "mixed_float16. Call tf.keras.mixed_precision.set_global_policy("
+                "'mixed_float16') before load_model (or load_model(..., compile=False) to "
+                "leave the optimizer state behind).")
+        if not core <= len(values) <= core + 2:  # + the loss scale, in the file or here
+            raise ValueError(
+                f"AccumulatingOptimizer: cannot restore the optimizer state: {core} "
+                f"variables here (without a loss scale), {len(values)} in the file. Load it "
+                "into the model and optimizer it was saved from.")
+        for variable, value in zip(self._state(), values):
+            variable.assign(value)
+
+    def set_weights(self, weights):  # over `variables` (.h5 loads restore through it)
+        variables = self.variables
+        if not getattr(self, "_built", False) or len(weights) != len(variables):
+            raise ValueError(f"AccumulatingOptimizer.set_weights: {len(weights)} weights for "
+                             f"{len(variables)} variables (built: "
+                             f"{getattr(self, '_built', False)}).")
+        for variable, weight in zip(variables, weights):  # h5py datasets: to tensors first
+            variable.assign(tf.convert_to_tensor(weight))
+
     def get_config(self):
         return {"name": self.name, "accumulation_steps": self.accumulation_steps,
                 "non_finite": self.non_finite, "is_legacy_optimizer": False,  # for deserialize
@@ -326,3 +409,68 @@ class AccumulatingOptimizer(SavedState, keras.optimizers.Optimizer):
 def _all_finite(tensors):
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(t)))
                                    for t in tensors]))
+
+
+# ---- What it refuses, each with a message naming the fix: a `tf.keras` that is not Keras 2
+# (on import, above), bad arguments (at construction), and an optimizer built under another
+# strategy than it was created under.
+
+def describe(strategy) -> str:
+    """A strategy as the messages name it."""
+    named = strategy is not None and type(strategy).__name__ != "_DefaultDistributionStrategy"
+    return (f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)"
+            if named else "no strategy")
+
+
+def created_under(optimizer, strategy):
+    """The strategy `optimizer` was created under (None: none, under a strategy now)."""
+    owner = getattr(optimizer, "_distribution_strategy", strategy)
+    if owner is None:  # an OptimizerV2 created outside every strategy scope
+        return None if tf.distribute.has_strategy() else strategy
+    return owner
+
+
+def check_arguments(inner_optimizer, accumulation_steps, non_finite, kwargs) -> None:
+    """`AccumulatingOptimizer.__init__`'s arguments."""
+    keras = tf_keras()
+    optimizer_v2 = keras.optimizers.legacy.Optimizer  # the era's (tf.keras before 2.11)
+    if type(accumulation_steps) is not int or accumulation_steps < 1:
+        raise ValueError("accumulation_steps must be an integer >= 1 (micro-batches per "
+                         f"update), got {accumulation_steps!r}.")
+    if non_finite not in NON_FINITE_POLICIES:
+        raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}.")
+    if kwargs:
+        raise ValueError(f"AccumulatingOptimizer does not take {sorted(kwargs)}: set them on "
+                         "the inner optimizer (tf-keras clips after its all-reduce, once per "
+                         "update).")
+    if isinstance(inner_optimizer, keras.mixed_precision.LossScaleOptimizer):
+        raise TypeError("Wrap the other way round: LossScaleOptimizer(AccumulatingOptimizer("
+                        "inner, k)) (model.compile does it under mixed_float16), so that each "
+                        "micro-batch is unscaled and checked before it is accumulated.")
+    if not isinstance(inner_optimizer, (keras.optimizers.Optimizer, optimizer_v2)):
+        kind = type(inner_optimizer)
+        raise TypeError(f"AccumulatingOptimizer wraps a tf-keras optimizer instance, got "
+                        f"{kind.__name__} from {kind.__module__}. Pass e.g. "
+                        "tf.keras.optimizers.Adam(...) or tf.keras.optimizers.legacy.SGD(...).")
+
+
+def check_built_under(optimizer, strategy) -> None:
+    """In `build`: the wrapper and its inner optimizer were created under `strategy`."""
+    for who, candidate in (("AccumulatingOptimizer", optimizer),
+                           ("its inner optimizer", optimizer.inner_optimizer)):
+        if (owner := created_under(candidate, strategy)) is not strategy:
+            raise RuntimeError(
+                f"{who} was created under {describe(owner)} but is built under "
+                f"{describe(strategy)}. Create the model, the inner optimizer and the "
+                "AccumulatingOptimizer inside the same `with strategy.scope():` block.")
+
+
+class _CallableList(list):
+    """A list that is also `opt.variables()`, as tf-keras' own optimizers allow."""
+
+    def __call__(self):
+        return self
+
+
+def _listed(variables):
+    return list(variables() if callable(variables) else variables)

@@ -95,7 +95,7 @@ def build(strategy, kind: str = "accumulating", multi_worker: bool = False,
           resumable: bool = True) -> keras.Model:
     """A fresh seeded model of `kind`, compiled under `strategy.scope()`; `resumable`: with
     `ResumableFit`, whose `fit` hands `BackupAndRestore` its arguments."""
-    from distgrad.fit_data import ResumableFit
+    from distgrad.backup_and_restore import ResumableFit
     from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer
     from distgrad.multi_worker import MultiWorkerFit
     from distgrad.optimizer import AccumulatingOptimizer
