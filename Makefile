@@ -151,7 +151,7 @@ LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   $(EXECUTED)/01_where_gradients_sync.ipynb tests/test_epoch_ends.py tests/test_mixed_precision.py \
   tests/test_tf_keras_optimizer.py tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py \
   tests/test_tf_keras_mixed_precision.py $(EXECUTED)/07_beyond_the_basics.ipynb \
-  tests/test_copy_alone.py tests/test_upstream_reports.py tests/test_multiworker.py \
+  tests/test_copy_alone.py tests/test_upstream_reports.py tests/test_local_cluster.py \
   tests/test_beyond_the_basics.py tests/test_tf_keras_custom_loop.py tests/test_kubernetes.py \
   tests/test_sync.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort \

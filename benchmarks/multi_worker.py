@@ -132,7 +132,7 @@ def _inside(job_path: str, out_path: str) -> None:
             # burst: at least rate / HZ; 1 MB covers 5 Gbit/s at HZ=250 and more.
             subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
                             job["rate"], "burst", "1mb", "latency", "100ms"], check=True)
-    from distgrad_course.lab.multiworker import run_workers
+    from distgrad_course.lab.local_cluster import run_workers
 
     # One cluster per k: a worker process keeps what it allocated (4 workers measured
     # here: about 2 GB each for k = 16 alone, 5 GB each after all five k in one process).

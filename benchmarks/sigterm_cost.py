@@ -34,7 +34,7 @@ def worker(task_index: int, num_workers: int, batches: int, rounds: int) -> dict
 
     from distgrad.backup_and_restore import BackupAndRestore, SigtermWatch, cluster_of
     from distgrad_course.lab import backup
-    from distgrad_course.lab.multiworker import make_worker_strategy
+    from distgrad_course.lab.local_cluster import make_worker_strategy
 
     strategy = make_worker_strategy(60.0)
     model = backup.build(strategy, "accumulating", multi_worker=True)
@@ -79,7 +79,7 @@ def worker(task_index: int, num_workers: int, batches: int, rounds: int) -> dict
 
 
 def main(argv=None) -> dict:
-    from distgrad_course.lab.multiworker import run_workers
+    from distgrad_course.lab.local_cluster import run_workers
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 40 batches")

@@ -1,7 +1,7 @@
 """What runs inside each worker process of the multi-worker benchmark.
 
 `bench_worker(task_index, num_workers, ...)` is called in every worker by
-`distgrad_course.lab.multiworker.run_workers`: it creates the `MultiWorkerMirroredStrategy`,
+`distgrad_course.lab.local_cluster.run_workers`: it creates the `MultiWorkerMirroredStrategy`,
 builds the runners of one k at a time, and times them in paired, interleaved rounds.
 Every worker runs the same sequence of steps (the collectives need it); each returns its
 own times, and the chief also the loopback bytes of each runner's block.
@@ -94,7 +94,7 @@ def bench_worker(task_index: int, num_workers: int, sizes: dict, ks: list, round
 
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     from benchmarks.runners import Sizes, block_data
-    from distgrad_course.lab.multiworker import make_worker_strategy
+    from distgrad_course.lab.local_cluster import make_worker_strategy
 
     strategy = make_worker_strategy(timeout_seconds=collective_timeout)
     if strategy.num_replicas_in_sync != num_workers:

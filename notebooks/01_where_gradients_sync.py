@@ -471,7 +471,7 @@ show_code(distgrad.clip_by_global_norm_across_replicas)
 # `tf.keras.optimizers.SGD.apply_gradients` calls `aggregate_gradients` before the base class
 # clips (`tf_keras/src/optimizers/optimizer.py`), and `optimizers.legacy.SGD` calls
 # `_aggregate_gradients` before `_transform_gradients` (`optimizer_v2.py`). We measure both in a
-# fresh tf-keras process (`clip_before_sync.reproduce_legacy`: the same replica step, one
+# fresh tf-keras process (`clip_before_sync.reproduce_tf_keras`: the same replica step, one
 # clipped SGD step, R replicas against one device).
 
 # %%
@@ -480,7 +480,7 @@ from distgrad_course.pitfalls import clip_before_sync
 CLIP_NORM = 0.05
 keras3 = {option: clip_before_sync.reproduce(strategy, option, CLIP_NORM, examples=GLOBAL_BATCH)
           for option in ("global_clipnorm", "clipnorm")}
-legacy = clip_before_sync.reproduce_legacy(R, CLIP_NORM, examples=GLOBAL_BATCH)
+legacy = clip_before_sync.reproduce_tf_keras(R, CLIP_NORM, examples=GLOBAL_BATCH)
 rows = [(f"Keras {keras.__version__} `SGD({option})`", "before",
          f"{r.optimizer_clipping_vs_one_device.max_abs:.1e}", f"{r.one_device_update_max_abs:.1e}")
         for option, r in keras3.items()]

@@ -569,7 +569,7 @@ for error in (record.apply_in_scope_error, record.apply_in_traced_function_error
 # tf.keras 2's `OptimizerV2`. `tf-keras` still ships it; run in a child process:
 
 # %%
-legacy = outside_strategy_run.reproduce_legacy(replicas=R)
+legacy = outside_strategy_run.reproduce_tf_keras(replicas=R)
 print(textwrap.fill(f"{legacy.type}: {legacy.message.strip()}", 90, subsequent_indent="  "))
 assert legacy.type == "RuntimeError"
 assert "`apply_gradients() cannot be called in cross-replica context" in legacy.message
@@ -870,7 +870,7 @@ show_table(["run", f"loss after {PASSES} passes", "optimizer updates"],
 # releases), or the `tf-keras` package behind `tf.keras` when
 # `TF_USE_LEGACY_KERAS=1` is set *before* TensorFlow is imported. This notebook runs
 # Keras 3, and a process cannot switch, so the tf-keras program below is written to a
-# file and run in a child Python (`distgrad_course.lab.legacy.run_legacy` sets the variable and
+# file and run in a child Python (`distgrad_course.lab.tf_keras_runner.run_tf_keras` sets the variable and
 # puts the folder on `PYTHONPATH`). It is the fix's loop, with
 # `distgrad.GradientAccumulator` (which holds no Keras object of its own: tf.distribute
 # variables, and the optimizer you pass) and a tf-keras `Adam`. The lab supplies the
@@ -883,15 +883,15 @@ program_folder = tempfile.mkdtemp(prefix="lesson02-tf-keras-")
 # %%
 # %%writefile {program_folder}/tf_keras_custom_loop.py
 import numpy as np
-import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
+import tensorflow as tf  # tf-keras here: run_tf_keras set TF_USE_LEGACY_KERAS=1 before
 
 from distgrad import GradientAccumulator
-from distgrad_course.lab.legacy import legacy_strategy
-from distgrad_course.lab.legacy_fit import big_batch_fit, tiny_model, weights
+from distgrad_course.lab.tf_keras_fit import big_batch_fit, tiny_model, weights
+from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
 
 
 def train(replicas, x, y, accumulation_steps, updates):
-    strategy = legacy_strategy(replicas)  # first: the logical devices
+    strategy = tf_keras_strategy(replicas)  # first: the logical devices
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     with strategy.scope():
         model, optimizer = tiny_model(), tf.keras.optimizers.Adam(0.01)
@@ -920,9 +920,9 @@ def train(replicas, x, y, accumulation_steps, updates):
             "updates": int(optimizer.iterations.numpy())}
 
 # %%
-from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-tf_keras_run = run_legacy("tf_keras_custom_loop:train", R, env={"PYTHONPATH": program_folder},
+tf_keras_run = run_tf_keras("tf_keras_custom_loop:train", R, env={"PYTHONPATH": program_folder},
                           x=x.tolist(), y=y.tolist(), accumulation_steps=K, updates=3)
 tf_keras_diff = check_close(tf_keras_run["accumulated"], tf_keras_run["big_batch"])
 print(f"TensorFlow {tf_keras_run.tensorflow}, tf-keras {tf_keras_run.tf_keras}, "

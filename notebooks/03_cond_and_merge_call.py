@@ -775,7 +775,7 @@ fig.tight_layout()
 # %%
 import tempfile
 
-from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
 tf_keras_source_path = pathlib.Path(
     importlib.util.find_spec("distgrad").submodule_search_locations[0], "tf_keras", "optimizer.py")
@@ -804,10 +804,10 @@ print("then super().apply_gradients: grads = self._clip_gradients(grads)")
 # In the question's code the fix replaces one line: where the question calls
 # `get_patched_optimizer(optimizer, n, ...)`, wrap the optimizer instead, before
 # `model.compile`. The program below fits the question's model — its own `train_step`,
-# `distgrad_course.pitfalls.legacy_loss_scale.QuestionModel`, shown in lesson 04, here in
+# `distgrad_course.pitfalls.tf_keras_loss_scale.QuestionModel`, shown in lesson 04, here in
 # float32 — with k micro-batches on R replicas and with one big batch on one device, for
-# each optimizer of `distgrad_course.lab.legacy_fit.OPTIMIZERS`. It is written to a file and run
-# in a child process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts):
+# each optimizer of `distgrad_course.lab.tf_keras_fit.OPTIMIZERS`. It is written to a file and run
+# in a child process (`run_tf_keras` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts):
 
 # %%
 program_folder = tempfile.mkdtemp(prefix="lesson03-tf-keras-")
@@ -815,16 +815,16 @@ program_folder = tempfile.mkdtemp(prefix="lesson03-tf-keras-")
 # %%
 # %%writefile {program_folder}/question_fit.py
 import numpy as np
-import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
+import tensorflow as tf  # tf-keras here: run_tf_keras set TF_USE_LEGACY_KERAS=1 before
 
 from distgrad.tf_keras import AccumulatingOptimizer
-from distgrad_course.lab.legacy import legacy_strategy
-from distgrad_course.lab.legacy_fit import OPTIMIZERS, weights
-from distgrad_course.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
+from distgrad_course.lab.tf_keras_fit import OPTIMIZERS, weights
+from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
+from distgrad_course.pitfalls.tf_keras_loss_scale import QuestionModel  # the question's train_step
 
 
 def fit_both_ways(replicas, x, y, micro_batch, n):
-    strategy = legacy_strategy(replicas)  # first: the logical devices
+    strategy = tf_keras_strategy(replicas)  # first: the logical devices
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     one_device = tf.distribute.get_strategy()
     results = {}
@@ -842,7 +842,7 @@ def fit_both_ways(replicas, x, y, micro_batch, n):
             for name in OPTIMIZERS}
 
 # %%
-question_fit = run_legacy("question_fit:fit_both_ways", R, env={"PYTHONPATH": program_folder},
+question_fit = run_tf_keras("question_fit:fit_both_ways", R, env={"PYTHONPATH": program_folder},
                           x=x.tolist(), y=y.tolist(), micro_batch=MICRO_BATCH, n=STEPS)
 print(f"TensorFlow {question_fit.tensorflow}, tf-keras {question_fit.tf_keras}, "
       f"{question_fit.replicas} replicas")

@@ -629,9 +629,9 @@ print(f"the question's patch on the wrapper vs big batch: {patch_diff.max_abs:.1
 #
 # The user wrote Keras 2 code: a custom `train_step` with `get_scaled_loss` /
 # `get_unscaled_gradients` and the era's `OptimizerV2` (`tf.keras.optimizers.legacy.SGD`).
-# `distgrad_course/pitfalls/legacy_loss_scale.py` holds it (the question's `train_step`, reduced
+# `distgrad_course/pitfalls/tf_keras_loss_scale.py` holds it (the question's `train_step`, reduced
 # to a tiny model) and the question's patch for tf-keras; it is imported only in a child
-# process where `distgrad_course.lab.legacy.run_legacy` sets `TF_USE_LEGACY_KERAS=1` before
+# process where `distgrad_course.lab.tf_keras_runner.run_tf_keras` sets `TF_USE_LEGACY_KERAS=1` before
 # TensorFlow is imported:
 
 # %%
@@ -639,18 +639,18 @@ import importlib.util
 import pathlib
 
 pitfalls_folder = importlib.util.find_spec("distgrad_course.pitfalls").submodule_search_locations[0]
-legacy_file = pathlib.Path(pitfalls_folder, "legacy_loss_scale.py").read_text()
+legacy_file = pathlib.Path(pitfalls_folder, "tf_keras_loss_scale.py").read_text()
 start = legacy_file.index("    def train_step(self, data):")
 display(Code(legacy_file[start:legacy_file.index("\n\n", start)], language="python"))
 
 # %% [markdown]
 # ### The two patches in tf-keras
 #
-# `lsp.legacy_reproduction` runs it, the same data and both patches, plus tf-keras'
+# `lsp.tf_keras_reproduction` runs it, the same data and both patches, plus tf-keras'
 # newer optimizer (`LossScaleOptimizerV3`):
 
 # %%
-legacy = lsp.legacy_reproduction(replicas=R)
+legacy = lsp.tf_keras_reproduction(replicas=R)
 print(f"TensorFlow {legacy.tensorflow}, tf-keras {legacy.tf_keras}, {legacy.replicas} "
       f"replicas, {legacy.seconds:.0f} s")
 show_table(["tf-keras scenario", "wrapper", "patch calls", "outcome"], [
@@ -778,25 +778,25 @@ assert "loss = self.optimizer.get_scaled_loss(model_loss)" in legacy_file
 # replica hands the wrapper a NaN, so the wrapper skips that micro-batch on every replica
 # and halves the scale once. The program below is the question's set-up in the fixed
 # order, with the question's `train_step`. It is written to a file and run in a child
-# process (`run_legacy` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts);
-# `distgrad_course.lab.legacy_fit` supplies the `fit` recipes and reads the counters after every
+# process (`run_tf_keras` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts);
+# `distgrad_course.lab.tf_keras_fit` supplies the `fit` recipes and reads the counters after every
 # micro-batch.
 
 # %%
 import tempfile
 
-from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
 program_folder = tempfile.mkdtemp(prefix="lesson04-tf-keras-")
 
 # %%
 # %%writefile {program_folder}/question_fix.py
-import tensorflow as tf  # tf-keras here: run_legacy set TF_USE_LEGACY_KERAS=1 before
+import tensorflow as tf  # tf-keras here: run_tf_keras set TF_USE_LEGACY_KERAS=1 before
 
 from distgrad.tf_keras import AccumulatingOptimizer
-from distgrad_course.lab.legacy import legacy_strategy
-from distgrad_course.lab.legacy_fit import big_batch_fit, fit, policy, weights
-from distgrad_course.pitfalls.legacy_loss_scale import QuestionModel  # the question's train_step
+from distgrad_course.lab.tf_keras_fit import big_batch_fit, fit, policy, weights
+from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
+from distgrad_course.pitfalls.tf_keras_loss_scale import QuestionModel  # the question's train_step
 
 
 def build_optimizer(grad_acc_n, initial_scale):
@@ -813,7 +813,7 @@ def build_optimizer(grad_acc_n, initial_scale):
 def main(replicas, data, micro_batch, grad_acc_n, initial_scale):
     """`data`: {name: [x, y, reference_x, reference_y]}: fit (x, y) with accumulation on
     `replicas` replicas, and the reference data as one big batch on one device."""
-    strategy = legacy_strategy(replicas)  # first: the logical devices
+    strategy = tf_keras_strategy(replicas)  # first: the logical devices
     results = {}
     with policy("mixed_float16"):
         start = QuestionModel()  # seeded: where every run below starts
@@ -840,7 +840,7 @@ OUTLIER_STEP = 3
 clean_x, clean_y = mixed.overflow_data(6, mb, None, R)
 bad_x, bad_y = mixed.overflow_data(7, mb, OUTLIER_STEP, R, overflow_replicas=(1,))
 others = np.r_[0:(OUTLIER_STEP - 1) * mb, OUTLIER_STEP * mb:7 * mb]
-question_fix = run_legacy("question_fix:main", R, env={"PYTHONPATH": program_folder},
+question_fix = run_tf_keras("question_fix:main", R, env={"PYTHONPATH": program_folder},
                           data={"clean": [a.tolist() for a in (clean_x, clean_y) * 2],
                                 "outlier on replica 1": [a.tolist() for a in (
                                     bad_x, bad_y, bad_x[others], bad_y[others])]},

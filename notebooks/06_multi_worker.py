@@ -44,7 +44,7 @@ import tensorflow as tf
 from distgrad_course.lab import workers
 from distgrad_course.lab.compare import check_close
 from distgrad_course.lab.display import show_code, show_environment, show_table
-from distgrad_course.lab.multiworker import run_workers
+from distgrad_course.lab.local_cluster import run_workers
 
 tf.get_logger().setLevel("ERROR")  # section 1 creates a second strategy here, on purpose
 show_environment(distgrad_course.environment_report(strategy))
@@ -479,7 +479,7 @@ show_code(distgrad.MultiWorkerFit._reducible)
 # %%
 import json
 
-from distgrad_course.lab.multiworker import free_ports, tf_config, visible_gpus, worker_devices
+from distgrad_course.lab.local_cluster import free_ports, tf_config, visible_gpus, worker_devices
 
 ports = free_ports(WORKERS)
 configs = [{"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},

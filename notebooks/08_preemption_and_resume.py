@@ -301,7 +301,7 @@ show_code(keras.callbacks.BackupAndRestore._load_model)
 # %%
 import time
 
-from distgrad_course.lab.multiworker import run_workers
+from distgrad_course.lab.local_cluster import run_workers
 
 shared = os.path.join(work, "cluster")
 started = time.monotonic()
@@ -490,15 +490,15 @@ print("SIGTERM and SIGKILL mid-cycle: resumed equal to the uninterrupted run and
 # starts the epoch's step count there. But `DataHandler.enumerate_epochs` makes a fresh
 # iterator, and each step takes its next batch: the resumed steps train the epoch's
 # *first* batches. To see which batch a step trains, batch k holds x = k + 1 and each SGD
-# step adds its batch's x to a single weight w (`distgrad_course.lab.legacy_backup`). Interrupted
+# step adds its batch's x to a single weight w (`distgrad_course.lab.resumed_batches`). Interrupted
 # after batch 6 of 16, backups every 3 batches:
 
 # %%
-from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-legacy = {data: run_legacy("distgrad_course.lab.legacy_backup:trained_batches", replicas=R,
+legacy = {data: run_tf_keras("distgrad_course.lab.resumed_batches:trained_batches", replicas=R,
                            data=data).value for data in ("arrays", "dataset")}
-keras3 = run_child("distgrad_course.lab.legacy_backup:trained_batches",  # Keras 3, its own process
+keras3 = run_child("distgrad_course.lab.resumed_batches:trained_batches",  # Keras 3, its own process
                    {"replicas": R, "data": "arrays"}).value
 show_table(["Keras", "data", "batches the restart trained", "updates", "w (uninterrupted 72)"], [
     (runs["keras"], data, str(runs["resumed"]["batches"]), runs["resumed"]["updates"],

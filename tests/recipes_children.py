@@ -1,11 +1,11 @@
 """The tf-keras program of `tests/test_recipes.py`: the Keras 2 names of the Recipes page's
 loss-scale table (`docs/recipes.md#loss-scale-keras2-keras3`), run in a
-`distgrad_course.lab.legacy.run_legacy` child (tf-keras, `TF_USE_LEGACY_KERAS=1`)."""
+`distgrad_course.lab.tf_keras_runner.run_tf_keras` child (tf-keras, `TF_USE_LEGACY_KERAS=1`)."""
 
 
 def tf_keras_loss_scale(replicas):
     """What tf-keras' `LossScaleOptimizer` does with the calls the table names, on one
-    variable and no strategy (`replicas` is run_legacy's, unused); JSON-able."""
+    variable and no strategy (`replicas` is run_tf_keras's, unused); JSON-able."""
     del replicas
     import tensorflow as tf
 

@@ -26,7 +26,7 @@ from distgrad.backup_and_restore import (
 )
 from distgrad_course.lab import backup
 from distgrad_course.lab.backup import assert_same_run
-from distgrad_course.lab.multiworker import run_workers
+from distgrad_course.lab.local_cluster import run_workers
 
 SIGNALLED_AFTER = 5
 SCENARIO = {"kind": "accumulating", "save_freq": "epoch"}

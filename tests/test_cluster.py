@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distgrad_course.lab.multiworker import free_ports, tf_config
+from distgrad_course.lab.local_cluster import free_ports, tf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "docs" / "cluster"

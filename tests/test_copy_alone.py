@@ -90,12 +90,12 @@ def test_copied_files_train_under_mirrored_strategy_equal_to_big_batch(tmp_path)
 def test_the_copied_tf_keras_file_trains_under_tf_keras_equal_to_big_batch(tmp_path):
     from distgrad_course.lab.compare import check_close
     from distgrad_course.lab.data import regression_data
-    from distgrad_course.lab.legacy import run_legacy
+    from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
     shutil.copy(SRC / "tf_keras" / "optimizer.py", tmp_path / "optimizer.py")
     x, y = regression_data(32)
     path = f"{tmp_path}{os.pathsep}{pathlib.Path(__file__).parent}"
-    runs = run_legacy("tf_keras_children:fit_equivalence", 2, env={"PYTHONPATH": path},
+    runs = run_tf_keras("tf_keras_children:fit_equivalence", 2, env={"PYTHONPATH": path},
                       x=x.tolist(), y=y.tolist(), micro_batch=8, accumulation_steps=2,
                       names=["adam"], module="optimizer")  # the copy, not distgrad.tf_keras
     check_close(runs["adam"]["accumulated"], runs["adam"]["big_batch"])

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from distgrad_course.lab.multiworker import free_ports
+from distgrad_course.lab.local_cluster import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "docs" / "cluster"

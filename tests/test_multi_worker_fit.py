@@ -19,7 +19,7 @@ from distgrad.multi_worker import (
 )
 from distgrad_course.lab.compare import OPTIMIZERS, check_close, weights_of
 from distgrad_course.lab.data import regression_data, tiny_model
-from distgrad_course.lab.multiworker import run_workers
+from distgrad_course.lab.local_cluster import run_workers
 from distgrad_course.lab.recipes import fit_run
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}

@@ -194,7 +194,7 @@ def test_mixed_precision_policy_is_restored_even_on_error():
 
 # -- tf-keras (Keras 2), the question's own train_step, in one subprocess ---------------
 
-# The tf-keras (Keras 2) reproduction, `lsp.legacy_reproduction`, runs in lesson 04, which
+# The tf-keras (Keras 2) reproduction, `lsp.tf_keras_reproduction`, runs in lesson 04, which
 # asserts its every record (once per suite: `make test` executes the lesson).
 
 

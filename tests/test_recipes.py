@@ -14,7 +14,7 @@ ports here.
 Beside the runs, the page's other claims: the no-accumulation row (lesson 01's fix), each
 recipe's **Floor** line, the table of what each recipe does with the epoch's leftover
 micro-batches (against its code, its check and lesson 02's fix), and the Keras 2 -> Keras 3
-loss-scale table (Keras 3 here; tf-keras in a `run_legacy` child, `recipes_children.py`).
+loss-scale table (Keras 3 here; tf-keras in a `run_tf_keras` child, `recipes_children.py`).
 
 Each command cell is one test (pytest-xdist spreads them): the recipe runs in a fresh
 interpreter (`sys.executable`, tf-keras ones with `TF_USE_LEGACY_KERAS=1`), one process on
@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distgrad_course.lab.multiworker import free_ports, visible_gpus, worker_devices
+from distgrad_course.lab.local_cluster import free_ports, visible_gpus, worker_devices
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 TEXT = PAGE.read_text(encoding="utf-8")
@@ -461,9 +461,9 @@ def test_keras3_loss_scale_calls_are_the_ones_the_table_names(strategy2):
 
 
 def test_tf_keras_loss_scale_calls_are_the_ones_the_table_names():
-    from distgrad_course.lab.legacy import run_legacy
+    from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-    seen = run_legacy("recipes_children:tf_keras_loss_scale",
+    seen = run_tf_keras("recipes_children:tf_keras_loss_scale",
                       env={"PYTHONPATH": str(Path(__file__).parent)}).value
     wrapper, scale, unscale, apply = (loss_scale_row(w)[0] for w in (
         "the wrapper", "scale the loss", "unscale the gradients", "apply"))

@@ -24,7 +24,7 @@ import pytest
 import slurm_harness
 from test_cluster import PASSED, ROOT, SBATCH, SMALL, TRAIN, UPDATES, _env
 
-from distgrad_course.lab.multiworker import free_ports
+from distgrad_course.lab.local_cluster import free_ports
 
 
 def runs_of(text: str) -> list[str]:

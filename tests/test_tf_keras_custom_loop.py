@@ -10,7 +10,7 @@ import pytest
 
 from distgrad_course.lab.compare import check_close
 from distgrad_course.lab.data import regression_data
-from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 REPLICAS, MICRO_BATCH, K, UPDATES = 2, 8, 4, 2
@@ -19,7 +19,7 @@ REPLICAS, MICRO_BATCH, K, UPDATES = 2, 8, 4, 2
 @pytest.fixture(scope="module")
 def loops():
     x, y = regression_data(MICRO_BATCH * K * UPDATES)
-    return run_legacy("tf_keras_children:custom_loops", REPLICAS, env=TESTS_ON_PATH,
+    return run_tf_keras("tf_keras_children:custom_loops", REPLICAS, env=TESTS_ON_PATH,
                       x=x.tolist(), y=y.tolist(), micro_batch=MICRO_BATCH,
                       accumulation_steps=K, updates=UPDATES)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from distgrad_course.lab.compare import check_close
-from distgrad_course.lab.legacy import run_legacy
 from distgrad_course.lab.mixed import check_float16_close, overflow_data
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 REPLICAS, MICRO_BATCH, K, MICRO_BATCHES, OVERFLOW = 2, 8, 2, 7, 3
@@ -25,7 +25,7 @@ def mixed():
     x7, y7 = overflow_data(MICRO_BATCHES, MICRO_BATCH, OVERFLOW, REPLICAS,
                            overflow_replicas=(1,))
     keep = np.r_[0:(OVERFLOW - 1) * MICRO_BATCH, OVERFLOW * MICRO_BATCH:len(x7)]
-    return run_legacy("tf_keras_children:mixed_precision", REPLICAS, env=TESTS_ON_PATH,
+    return run_tf_keras("tf_keras_children:mixed_precision", REPLICAS, env=TESTS_ON_PATH,
                       x=x.tolist(), y=y.tolist(), overflowing=[x7.tolist(), y7.tolist()],
                       without=[x7[keep].tolist(), y7[keep].tolist()], micro_batch=MICRO_BATCH,
                       accumulation_steps=K, initial_scale=SCALE, stop_after=OVERFLOW + 1)

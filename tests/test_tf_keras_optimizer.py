@@ -1,7 +1,8 @@
 """distgrad.tf_keras.AccumulatingOptimizer: `model.fit` accumulation for tf-keras (Keras 2).
 
 Every tf-keras observation comes from one child process per scenario group
-(`tests/tf_keras_children.py`, run by `distgrad_course.lab.legacy.run_legacy`), asserted here.
+(`tests/tf_keras_children.py`, run by `distgrad_course.lab.tf_keras_runner.run_tf_keras`),
+asserted here.
 """
 
 import os
@@ -12,7 +13,7 @@ import pytest
 
 from distgrad_course.lab.compare import check_close, check_not_close
 from distgrad_course.lab.data import regression_data
-from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
 TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
 REPLICAS, MICRO_BATCH, K, UPDATES = 2, 8, 3, 2
@@ -22,7 +23,7 @@ INNER = ("momentum", "adam", "legacy momentum", "legacy adam")
 @pytest.fixture(scope="module")
 def fits():
     x, y = regression_data(MICRO_BATCH * K * UPDATES)
-    return run_legacy("tf_keras_children:fit_equivalence", REPLICAS, env=TESTS_ON_PATH,
+    return run_tf_keras("tf_keras_children:fit_equivalence", REPLICAS, env=TESTS_ON_PATH,
                       x=x.tolist(), y=y.tolist(), micro_batch=MICRO_BATCH,
                       accumulation_steps=K)
 
@@ -83,7 +84,7 @@ def state_and_errors():
     x, y = regression_data(MICRO_BATCH * K * UPDATES)
     bad_x = x.copy()
     bad_x[(K + 1) * MICRO_BATCH + MICRO_BATCH // 2] = np.nan  # cycle 2, replica 1 only
-    return run_legacy("tf_keras_children:state_and_errors", REPLICAS, env=TESTS_ON_PATH,
+    return run_tf_keras("tf_keras_children:state_and_errors", REPLICAS, env=TESTS_ON_PATH,
                       x=x.tolist(), y=y.tolist(), bad_x=bad_x.tolist(), micro_batch=MICRO_BATCH,
                       accumulation_steps=K, stop_after=K + 1)
 

@@ -4,7 +4,7 @@ TensorFlow / Keras 3, and the page says so truthfully.
 Every docs/upstream/NAME.py runs as `__main__` in a fresh Python (`distgrad_course.lab.child`,
 target `upstream_runner:run_script`), with nothing but TensorFlow, Keras and NumPy; each
 sets up its own two replicas. A multi-worker one (MULTI_WORKER) runs twice, as the two
-workers of a local cluster (`distgrad_course.lab.multiworker.run_workers` sets their
+workers of a local cluster (`distgrad_course.lab.local_cluster.run_workers` sets their
 TF_CONFIG). A test asserts the defect's exact exception type and message fragment, or
 the exact wrong numbers. Where the page says what tf-keras (Keras 2) does, the same
 file runs under tf-keras too and must show that (no defect, or tf-keras' own). When upstream
@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from distgrad_course.lab.child import run_child
-from distgrad_course.lab.multiworker import run_workers
+from distgrad_course.lab.local_cluster import run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = ROOT / "docs" / "upstream"

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from distgrad_course.lab.compare import check_close
 from distgrad_course.lab.data import regression_data
-from distgrad_course.lab.legacy import run_legacy
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = ("optimizer", "accumulator", "train_step", "mixed_precision", "multi_worker")
@@ -124,7 +124,7 @@ def test_import_distgrad_works_and_a_keras_3_name_says_what_to_use_instead():
 @keras_2_only
 def test_fit_on_plain_tf_keras_2_15_equals_one_big_batch_step():
     x, y = regression_data(MICRO_BATCH * K * 2)
-    fits = run_legacy("tf_keras_children:fit_equivalence", REPLICAS, env=PLAIN_TF_KERAS,
+    fits = run_tf_keras("tf_keras_children:fit_equivalence", REPLICAS, env=PLAIN_TF_KERAS,
                       x=x.tolist(), y=y.tolist(), micro_batch=MICRO_BATCH,
                       accumulation_steps=K, names=["adam", "legacy momentum"])
     assert fits.replicas == REPLICAS and fits.tf_keras.startswith("2.15.")
@@ -142,7 +142,7 @@ def test_fit_under_mixed_float16_on_plain_tf_keras_2_15_equals_the_mixed_big_bat
     x7, y7 = overflow_data(micro_batches, MICRO_BATCH, overflow, REPLICAS,
                            overflow_replicas=(1,))
     keep = np.r_[0:(overflow - 1) * MICRO_BATCH, overflow * MICRO_BATCH:len(x7)]
-    mixed = run_legacy("tf_keras_children:mixed_precision", REPLICAS, env=PLAIN_TF_KERAS,
+    mixed = run_tf_keras("tf_keras_children:mixed_precision", REPLICAS, env=PLAIN_TF_KERAS,
                        x=x.tolist(), y=y.tolist(), overflowing=[x7.tolist(), y7.tolist()],
                        without=[x7[keep].tolist(), y7[keep].tolist()], micro_batch=MICRO_BATCH,
                        accumulation_steps=K, initial_scale=2.0**10, stop_after=overflow + 1)
@@ -160,7 +160,7 @@ def test_fit_under_mixed_float16_on_plain_tf_keras_2_15_equals_the_mixed_big_bat
 @keras_2_only
 def test_gradient_accumulator_in_a_custom_loop_on_plain_tf_keras_2_15_equals_big_batch():
     x, y = regression_data(MICRO_BATCH * K * 2)
-    loops = run_legacy("tf_keras_children:custom_loops", REPLICAS, env=PLAIN_TF_KERAS,
+    loops = run_tf_keras("tf_keras_children:custom_loops", REPLICAS, env=PLAIN_TF_KERAS,
                        x=x.tolist(), y=y.tolist(), micro_batch=MICRO_BATCH,
                        accumulation_steps=K, updates=2)
     assert loops.replicas == REPLICAS and loops.tf_keras.startswith("2.15.")

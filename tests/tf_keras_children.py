@@ -1,10 +1,11 @@
 """The tf-keras programs of `tests/test_tf_keras_*.py`, one per scenario group.
 
-Each runs in a `distgrad_course.lab.legacy.run_legacy` child (tf-keras, `TF_USE_LEGACY_KERAS=1`)
-and returns the observations its tests assert, as JSON: weights as lists, counters after
-every batch (`distgrad_course.lab.legacy_fit.Counters`), errors as `{"type", "message"}`. The
-class under test is imported from `module` (default `distgrad.tf_keras`), so that
-`tests/test_copy_alone.py` can run the same program on a copied file.
+Each runs in a `distgrad_course.lab.tf_keras_runner.run_tf_keras` child (tf-keras,
+`TF_USE_LEGACY_KERAS=1`) and returns the observations its tests assert, as JSON: weights as
+lists, counters after every batch (`distgrad_course.lab.tf_keras_fit.Counters`), errors as
+`{"type", "message"}`. The class under test is imported from `module` (default
+`distgrad.tf_keras`), so that `tests/test_copy_alone.py` can run the same program on a
+copied file.
 """
 
 import importlib
@@ -12,7 +13,7 @@ import tempfile
 
 import numpy as np
 
-from distgrad_course.lab.legacy import legacy_strategy
+from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
 
 
 def _accumulating(module):
@@ -61,48 +62,48 @@ def fit_equivalence(replicas, x, y, micro_batch, accumulation_steps, names=None,
                     module="distgrad.tf_keras"):
     """`model.fit` with `AccumulatingOptimizer(inner, k)` on `replicas` replicas (batches of
     `micro_batch`) and one-device big-batch `fit` (batches of k * micro_batch), per inner
-    optimizer of `legacy_fit.OPTIMIZERS` (or `names`), plus SGD with global_clipnorm and
+    optimizer of `tf_keras_fit.OPTIMIZERS` (or `names`), plus SGD with global_clipnorm and
     Adam accumulated without a strategy."""
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     import tensorflow as tf
 
-    from distgrad_course.lab import legacy_fit
+    from distgrad_course.lab import tf_keras_fit
 
     accumulating, k = _accumulating(module), accumulation_steps
-    inner = dict(legacy_fit.OPTIMIZERS, **{
+    inner = dict(tf_keras_fit.OPTIMIZERS, **{
         "clipped sgd": lambda: tf.keras.optimizers.SGD(0.1, global_clipnorm=0.05)})
     runs = {}
     for name in names or inner:
-        big, big_rows = legacy_fit.big_batch_fit(legacy_fit.tiny_model, inner[name], x, y,
+        big, big_rows = tf_keras_fit.big_batch_fit(tf_keras_fit.tiny_model, inner[name], x, y,
                                                  k * micro_batch)
-        model, rows = legacy_fit.fit(strategy, legacy_fit.tiny_model,
+        model, rows = tf_keras_fit.fit(strategy, tf_keras_fit.tiny_model,
                                      lambda name=name: accumulating(inner[name](), k), x, y,
                                      micro_batch)
-        runs[name] = {"accumulated": legacy_fit.weights(model), "rows": rows,
-                      "big_batch": legacy_fit.weights(big), "big_batch_updates":
+        runs[name] = {"accumulated": tf_keras_fit.weights(model), "rows": rows,
+                      "big_batch": tf_keras_fit.weights(big), "big_batch_updates":
                       big_rows[-1]["updates"], "optimizer": type(model.optimizer).__name__,
                       "module": type(model.optimizer).__module__,
                       "accumulator_dtypes": [a.dtype.name for a in
                                              model.optimizer.accumulators]}
     if names is None:
-        runs["adam"]["all_reduces"] = traced_all_reduces(strategy, lambda: legacy_fit.fit(
-            strategy, legacy_fit.tiny_model, lambda: accumulating(inner["adam"](), k), x, y,
+        runs["adam"]["all_reduces"] = traced_all_reduces(strategy, lambda: tf_keras_fit.fit(
+            strategy, tf_keras_fit.tiny_model, lambda: accumulating(inner["adam"](), k), x, y,
             micro_batch))
-        model, rows = legacy_fit.fit(tf.distribute.get_strategy(), legacy_fit.tiny_model,
+        model, rows = tf_keras_fit.fit(tf.distribute.get_strategy(), tf_keras_fit.tiny_model,
                                      lambda: accumulating(inner["adam"](), k), x, y, micro_batch)
-        runs["adam, no strategy"] = {"accumulated": legacy_fit.weights(model), "rows": rows,
+        runs["adam, no strategy"] = {"accumulated": tf_keras_fit.weights(model), "rows": rows,
                                      "big_batch": runs["adam"]["big_batch"]}
-        unclipped, _ = legacy_fit.big_batch_fit(legacy_fit.tiny_model,
+        unclipped, _ = tf_keras_fit.big_batch_fit(tf_keras_fit.tiny_model,
                                                 lambda: tf.keras.optimizers.SGD(0.1), x, y,
                                                 k * micro_batch)
-        runs["clipped sgd"]["unclipped_big_batch"] = legacy_fit.weights(unclipped)
+        runs["clipped sgd"]["unclipped_big_batch"] = tf_keras_fit.weights(unclipped)
     return runs
 
 
-def _fresh_adam_fit(strategy, legacy_fit, accumulating, k, non_finite="raise"):
+def _fresh_adam_fit(strategy, tf_keras_fit, accumulating, k, non_finite="raise"):
     with strategy.scope():
-        model = legacy_fit.tiny_model()
-        model.compile(optimizer=accumulating(legacy_fit.OPTIMIZERS["adam"](), k,
+        model = tf_keras_fit.tiny_model()
+        model.compile(optimizer=accumulating(tf_keras_fit.OPTIMIZERS["adam"](), k,
                                              non_finite=non_finite), loss="mse")
     return model
 
@@ -113,7 +114,7 @@ def _copies(variable):
 
 def state_and_errors(replicas, x, y, bad_x, micro_batch, accumulation_steps, stop_after):
     """`checkpoint_round_trip`, `non_finite_cycles` and `bad_input`, in one child."""
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     return {"checkpoint": checkpoint_round_trip(strategy, x, y, micro_batch,
                                                 accumulation_steps, stop_after),
             "non_finite": non_finite_cycles(strategy, bad_x, y, micro_batch,
@@ -128,7 +129,7 @@ def checkpoint_round_trip(strategy, x, y, micro_batch, accumulation_steps, stop_
     restored optimizers hold."""
     import tensorflow as tf
 
-    from distgrad_course.lab import legacy_fit
+    from distgrad_course.lab import tf_keras_fit
 
     accumulating, k = _accumulating("distgrad.tf_keras"), accumulation_steps
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
@@ -145,14 +146,14 @@ def checkpoint_round_trip(strategy, x, y, micro_batch, accumulation_steps, stop_
                 "accumulator": optimizer.accumulators[0].numpy().tolist(),
                 "accumulator_copies": _copies(optimizer.accumulators[0])}
 
-    uninterrupted = _fresh_adam_fit(strategy, legacy_fit, accumulating, k)
+    uninterrupted = _fresh_adam_fit(strategy, tf_keras_fit, accumulating, k)
     fit(uninterrupted, x, y)
-    first = _fresh_adam_fit(strategy, legacy_fit, accumulating, k)
+    first = _fresh_adam_fit(strategy, tf_keras_fit, accumulating, k)
     fit(first, x[:cut], y[:cut])
     saved, directory = state(first), tempfile.mkdtemp()
     path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(directory + "/ckpt")
     first.save(directory + "/model.keras")
-    restored, lazily = (_fresh_adam_fit(strategy, legacy_fit, accumulating, k) for _ in "ab")
+    restored, lazily = (_fresh_adam_fit(strategy, tf_keras_fit, accumulating, k) for _ in "ab")
     with strategy.scope():
         restored.optimizer.build(restored.trainable_variables)
     tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
@@ -162,10 +163,10 @@ def checkpoint_round_trip(strategy, x, y, micro_batch, accumulation_steps, stop_
         loaded = tf.keras.models.load_model(directory + "/model.keras")
     result = {"saved": saved, "restored": state(restored), "loaded": state(loaded),
               "loaded_class": type(loaded.optimizer).__name__,
-              "uninterrupted": legacy_fit.weights(uninterrupted)}
+              "uninterrupted": tf_keras_fit.weights(uninterrupted)}
     for name, model in (("restored", restored), ("loaded", loaded), ("lazily", lazily)):
         fit(model, x[cut:], y[cut:])
-        result[f"{name}_final"] = legacy_fit.weights(model)
+        result[f"{name}_final"] = tf_keras_fit.weights(model)
     lazy_status.assert_consumed()  # built during `fit`: deferred restoration did it all
     return result
 
@@ -190,22 +191,22 @@ def config_round_trips():
 def non_finite_cycles(strategy, x, y, micro_batch, accumulation_steps):
     """`model.fit` with `non_finite` "raise" and "skip" on data whose NaN example makes one
     replica's gradients NaN in the second cycle, and big-batch `fit` of the first cycle."""
-    from distgrad_course.lab import legacy_fit
+    from distgrad_course.lab import tf_keras_fit
 
     accumulating, k = _accumulating("distgrad.tf_keras"), accumulation_steps
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     first_cycle = slice(0, k * micro_batch)
-    big, _ = legacy_fit.big_batch_fit(legacy_fit.tiny_model, legacy_fit.OPTIMIZERS["adam"],
+    big, _ = tf_keras_fit.big_batch_fit(tf_keras_fit.tiny_model, tf_keras_fit.OPTIMIZERS["adam"],
                                       x[first_cycle], y[first_cycle], k * micro_batch)
-    result = {"big_batch_first_cycle": legacy_fit.weights(big)}
+    result = {"big_batch_first_cycle": tf_keras_fit.weights(big)}
     for policy in ("raise", "skip"):
-        model = _fresh_adam_fit(strategy, legacy_fit, accumulating, k, non_finite=policy)
-        counters = legacy_fit.Counters()
+        model = _fresh_adam_fit(strategy, tf_keras_fit, accumulating, k, non_finite=policy)
+        counters = tf_keras_fit.Counters()
         error = _error(lambda model=model, counters=counters: model.fit(
             x, y, batch_size=micro_batch, shuffle=False, verbose=0, callbacks=[counters]))
         optimizer = model.optimizer
         result[policy] = {
-            "error": error, "rows": counters.rows, "weights": legacy_fit.weights(model),
+            "error": error, "rows": counters.rows, "weights": tf_keras_fit.weights(model),
             "micro_steps": int(optimizer.micro_steps.numpy()),
             "accumulators_finite": all(bool(np.all(np.isfinite(a.numpy())))
                                        for a in optimizer.accumulators)}
@@ -216,7 +217,7 @@ def bad_input(strategy):
     """What each misuse raises: `{case: {"type", "message"} or None}`."""
     import tensorflow as tf
 
-    from distgrad_course.lab import legacy_fit
+    from distgrad_course.lab import tf_keras_fit
 
     accumulating, keras = _accumulating("distgrad.tf_keras"), tf.keras
     def keras_3_class():  # distgrad.AccumulatingOptimizer; TF 2.15 (no Keras 3): ImportError
@@ -224,7 +225,7 @@ def bad_input(strategy):
 
     sgd = keras.optimizers.SGD
     with strategy.scope():
-        model = legacy_fit.tiny_model()
+        model = tf_keras_fit.tiny_model()
         built = accumulating(sgd(0.1), 2)
         built.build(model.trainable_variables)
     grads = [tf.zeros_like(v) for v in model.trainable_variables]
@@ -245,7 +246,7 @@ def bad_input(strategy):
     def fit_without_merge_call():
         strategy.extended._use_merge_call = lambda: False  # as for an XLA step on GPUs
         try:
-            legacy_fit.fit(strategy, legacy_fit.tiny_model, lambda: accumulating(sgd(0.1), 2),
+            tf_keras_fit.fit(strategy, tf_keras_fit.tiny_model, lambda: accumulating(sgd(0.1), 2),
                            np.ones((8, 4)), np.ones((8, 1)), 8)
         finally:
             del strategy.extended._use_merge_call
@@ -271,35 +272,35 @@ def bad_input(strategy):
 def mixed_precision(replicas, x, y, overflowing, without, micro_batch, accumulation_steps,
                     initial_scale, stop_after):
     """The third question's stack: tf-keras, `mixed_float16`, `model.fit`, the question's
-    `train_step` (`legacy_loss_scale.QuestionModel`), `LossScaleOptimizer` around
+    `train_step` (`tf_keras_loss_scale.QuestionModel`), `LossScaleOptimizer` around
     `AccumulatingOptimizer`. Clean runs vs one-device big batch; an overflow on one
     replica (the data `overflowing`) vs big batch on the data `without` that micro-batch; a
     checkpoint taken mid-cycle after the overflow (after `stop_after` micro-batches)."""
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     import tensorflow as tf
 
-    from distgrad_course.lab import legacy_fit
-    from distgrad_course.pitfalls.legacy_loss_scale import QuestionModel
+    from distgrad_course.lab import tf_keras_fit
+    from distgrad_course.pitfalls.tf_keras_loss_scale import QuestionModel
 
     accumulating, k, keras = _accumulating("distgrad.tf_keras"), accumulation_steps, tf.keras
-    inner = legacy_fit.OPTIMIZERS
+    inner = tf_keras_fit.OPTIMIZERS
 
     def scaled(optimizer):
         return keras.mixed_precision.LossScaleOptimizer(optimizer, initial_scale=initial_scale)
 
     def stock_model():
-        return legacy_fit.tiny_model(mixed=True)
+        return tf_keras_fit.tiny_model(mixed=True)
 
     result = {}
-    with legacy_fit.policy("mixed_float16"):
+    with tf_keras_fit.policy("mixed_float16"):
         with strategy.scope():
             model = QuestionModel()
             model.compile(optimizer=accumulating(inner["adam"](), k), loss="mse")
         # Every run's start (the same seeded initializers in both models), for float16 checks.
         initial = QuestionModel()
         initial(np.zeros((1, 4), np.float32))
-        result["initial"] = legacy_fit.weights(initial)
-        assert result["initial"] == legacy_fit.weights(stock_model())
+        result["initial"] = tf_keras_fit.weights(initial)
+        assert result["initial"] == tf_keras_fit.weights(stock_model())
         result["compiled"] = [type(model.optimizer).__name__,
                               type(model.optimizer.inner_optimizer).__name__,
                               isinstance(model.optimizer,  # the question's train_step asks
@@ -308,28 +309,28 @@ def mixed_precision(replicas, x, y, overflowing, without, micro_batch, accumulat
                                  ("legacy momentum", QuestionModel),
                                  ("adam, stock train_step", stock_model)):
             make = inner[name.split(",")[0]]
-            model, rows = legacy_fit.fit(strategy, make_model, lambda make=make: scaled(
+            model, rows = tf_keras_fit.fit(strategy, make_model, lambda make=make: scaled(
                 accumulating(make(), k)), x, y, micro_batch)
-            big, _ = legacy_fit.big_batch_fit(make_model, lambda make=make: scaled(make()), x,
+            big, _ = tf_keras_fit.big_batch_fit(make_model, lambda make=make: scaled(make()), x,
                                               y, k * micro_batch)
-            result[name] = {"accumulated": legacy_fit.weights(model), "rows": rows,
-                            "big_batch": legacy_fit.weights(big)}
-        result["all_reduces"] = traced_all_reduces(strategy, lambda: legacy_fit.fit(
+            result[name] = {"accumulated": tf_keras_fit.weights(model), "rows": rows,
+                            "big_batch": tf_keras_fit.weights(big)}
+        result["all_reduces"] = traced_all_reduces(strategy, lambda: tf_keras_fit.fit(
             strategy, QuestionModel, lambda: scaled(accumulating(inner["adam"](), k)), x, y,
             micro_batch))
-        overflowed, rows = legacy_fit.fit(strategy, QuestionModel, lambda: scaled(
+        overflowed, rows = tf_keras_fit.fit(strategy, QuestionModel, lambda: scaled(
             accumulating(inner["momentum"](), k)), *overflowing, micro_batch)
-        big, _ = legacy_fit.big_batch_fit(QuestionModel, lambda: scaled(inner["momentum"]()),
+        big, _ = tf_keras_fit.big_batch_fit(QuestionModel, lambda: scaled(inner["momentum"]()),
                                           without[0], without[1], k * micro_batch)
-        result["overflow"] = {"accumulated": legacy_fit.weights(overflowed), "rows": rows,
-                              "big_batch_without": legacy_fit.weights(big)}
+        result["overflow"] = {"accumulated": tf_keras_fit.weights(overflowed), "rows": rows,
+                              "big_batch_without": tf_keras_fit.weights(big)}
         result["checkpoint"] = _mixed_checkpoint(
-            strategy, legacy_fit, lambda: scaled(accumulating(inner["momentum"](), k)),
+            strategy, tf_keras_fit, lambda: scaled(accumulating(inner["momentum"](), k)),
             QuestionModel, *overflowing, micro_batch, stop_after)
     return result
 
 
-def _mixed_checkpoint(strategy, legacy_fit, make_optimizer, make_model, x, y, micro_batch,
+def _mixed_checkpoint(strategy, tf_keras_fit, make_optimizer, make_model, x, y, micro_batch,
                       stop_after):
     import tensorflow as tf
 
@@ -354,7 +355,7 @@ def _mixed_checkpoint(strategy, legacy_fit, make_optimizer, make_model, x, y, mi
              "micro_steps": int(optimizer.inner_optimizer.micro_steps.numpy()),
              "updates": int(optimizer.inner_optimizer.inner_optimizer.iterations.numpy())}
     restored.fit(x[cut:], y[cut:], batch_size=micro_batch, shuffle=False, verbose=0)
-    return {"restored": state, "final": legacy_fit.weights(restored)}
+    return {"restored": state, "final": tf_keras_fit.weights(restored)}
 
 
 def custom_loops(replicas, x, y, micro_batch, accumulation_steps, updates):
@@ -362,11 +363,11 @@ def custom_loops(replicas, x, y, micro_batch, accumulation_steps, updates):
     `distgrad.GradientAccumulator` (loss / the update's global batch, `make_apply_step`)
     and `AccumulatingOptimizer` (loss / the micro-batch's global batch, `apply_gradients`
     every micro-step), per inner optimizer, against one-device big-batch `fit`."""
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     import tensorflow as tf
 
     from distgrad.accumulator import GradientAccumulator
-    from distgrad_course.lab import legacy_fit
+    from distgrad_course.lab import tf_keras_fit
 
     accumulating, k = _accumulating("distgrad.tf_keras"), accumulation_steps
     batches = list(strategy.experimental_distribute_dataset(
@@ -380,12 +381,12 @@ def custom_loops(replicas, x, y, micro_batch, accumulation_steps, updates):
 
     result = {}
     for name in ("adam", "legacy momentum"):
-        make = legacy_fit.OPTIMIZERS[name]
-        big, _ = legacy_fit.big_batch_fit(legacy_fit.tiny_model, make, x, y, k * micro_batch)
+        make = tf_keras_fit.OPTIMIZERS[name]
+        big, _ = tf_keras_fit.big_batch_fit(tf_keras_fit.tiny_model, make, x, y, k * micro_batch)
         with strategy.scope():
-            model, optimizer = legacy_fit.tiny_model(), make()
+            model, optimizer = tf_keras_fit.tiny_model(), make()
             accumulator = GradientAccumulator(model.trainable_variables)
-            wrapped_model, wrapped = legacy_fit.tiny_model(), accumulating(make(), k)
+            wrapped_model, wrapped = tf_keras_fit.tiny_model(), accumulating(make(), k)
 
         def add(data, model=model, accumulator=accumulator):
             with tf.GradientTape() as tape:
@@ -406,9 +407,9 @@ def custom_loops(replicas, x, y, micro_batch, accumulation_steps, updates):
                 accumulate(data)
                 micro_step(data)
             apply_step()
-        result[name] = {"gradient_accumulator": legacy_fit.weights(model),
-                        "accumulating_optimizer": legacy_fit.weights(wrapped_model),
-                        "big_batch": legacy_fit.weights(big),
+        result[name] = {"gradient_accumulator": tf_keras_fit.weights(model),
+                        "accumulating_optimizer": tf_keras_fit.weights(wrapped_model),
+                        "big_batch": tf_keras_fit.weights(big),
                         "iterations": [int(optimizer.iterations.numpy()),
                                        int(wrapped.iterations.numpy())]}
     return result

@@ -39,5 +39,5 @@ def run_script(path: str, names: list[str] | None = None, keras_module: str = "k
 
 def run_worker_script(task_index: int, num_workers: int, **kwargs) -> dict:
     """`run_script(**kwargs)` in one worker of a local cluster: the target of
-    `distgrad_course.lab.multiworker.run_workers`, which sets this worker's `TF_CONFIG`."""
+    `distgrad_course.lab.local_cluster.run_workers`, which sets this worker's `TF_CONFIG`."""
     return run_script(**kwargs)

@@ -1,5 +1,6 @@
 """Child targets used only by tests: of the runners themselves (`distgrad_course.lab.child`,
-`distgrad_course.lab.multiworker`, `distgrad_course.lab.legacy`) and of what needs a fresh runtime.
+`distgrad_course.lab.local_cluster`, `distgrad_course.lab.tf_keras_runner`) and of what needs a
+fresh runtime.
 Children find this module through `PYTHONPATH` (see `TESTS_ON_PATH` in the tests);
 TensorFlow is imported only where a target needs it, so the other children start in a
 fraction of a second."""
@@ -57,11 +58,11 @@ def sleep_for(seconds=60, replicas=None):
     time.sleep(seconds)
 
 
-def legacy_probe(replicas):
+def tf_keras_probe(replicas):
     """Under tf-keras: what the child's `tf.keras` and strategy are."""
-    from distgrad_course.lab.legacy import legacy_strategy
+    from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
 
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     import numpy as np
     import tensorflow as tf
 
@@ -143,7 +144,7 @@ def fit_on_mwms(task_index, num_workers, runs, checkpoint_dir=None, collective_t
     """
     import tempfile
 
-    from distgrad_course.lab.multiworker import make_worker_strategy
+    from distgrad_course.lab.local_cluster import make_worker_strategy
 
     strategy = make_worker_strategy(collective_timeout)
     import keras

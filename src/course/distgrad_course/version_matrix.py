@@ -76,13 +76,13 @@ OWN_FILES = tuple(f"src/course/distgrad_course/{name}.py"
 TF_MINORS = ("2.16", "2.17", "2.18", "2.19", "2.20", "2.21")
 KERAS_2_TF = "2.15"  # the last TensorFlow whose tf.keras is Keras 2
 KERAS_2_TESTS = ("tests/test_tf_keras_optimizer.py", "tests/test_tf_keras_mixed_precision.py",
-                 "tests/test_tf_keras_custom_loop.py", "tests/test_legacy.py",
+                 "tests/test_tf_keras_custom_loop.py", "tests/test_tf_keras_runner.py",
                  "tests/test_version_checks.py", "tests/test_copy_alone.py",
                  "tests/test_user_paths.py", "tests/test_recipes.py", UPSTREAM_TESTS)
 # pytest -k: whole files for the tf-keras ones and test_version_checks.py (whose Keras 3
 # tests skip themselves), else the tests named for tf-keras: the tf-keras recipes' runs,
 # the reports' tf-keras runs, the copied tf-keras file, the tf-keras user path.
-KERAS_2_SELECTION = ("test_tf_keras_ or test_legacy or test_version_checks or "
+KERAS_2_SELECTION = ("test_tf_keras_ or test_version_checks or "
                      "(test_the_recipe_runs and tf-keras) or "
                      "(test_each_reproduction and tf_keras) or test_the_copied_tf_keras_file "
                      "or test_tf_keras_skips")
@@ -94,7 +94,7 @@ FREE_GB_NEEDED = 6
 # 2-process clusters of lesson 06, which the lesson itself runs in every cell, and this
 # driver's own logic; nor the files of docs/cluster/ and .github/ (no TF/Keras behaviour).
 NOT_REFERENCE = {"test_benchmarks.py", "test_multi_worker_bench.py", "test_notebook_pairs.py",
-                 "test_child.py", "test_multiworker.py", "test_version_matrix_status.py",
+                 "test_child.py", "test_local_cluster.py", "test_version_matrix_status.py",
                  "test_kubernetes.py", "test_workflows.py"}
 
 
@@ -214,8 +214,7 @@ def nightly_requirements() -> list[str]:
 
 def uses_tf_keras(path: Path) -> bool:
     """Whether a test file or lesson runs tf-keras (its children import `tf_keras`)."""
-    return bool(re.search(r"tf_keras|lab\.legacy|lab import legacy",
-                          path.read_text(encoding="utf-8")))
+    return "tf_keras" in path.read_text(encoding="utf-8")
 
 
 

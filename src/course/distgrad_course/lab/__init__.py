@@ -6,7 +6,7 @@ graph inspection (`graph`), the call spy (`spy`), the simulated GPU+XLA path
 (`xla_path`), rendering on the page (`display`), the one argument guard (`args`), the
 child-process runner (`child`; on Linux its children are forked by `fork_server`, which
 runs a named module as `python -m` would and never imports `child`) and what runs on it
-(`legacy` with the tf-keras recipes of `legacy_fit`, `multiworker`, `workers`, `memory`,
-`resume`, `custom_loop_resume`, and `preemption` on the cluster manager of
-`cluster_manager`).
+(`tf_keras_runner` with the tf-keras recipes of `tf_keras_fit`, `local_cluster`,
+`workers`, `memory`, `resume`, `custom_loop_resume`, and `preemption` on the cluster
+manager of `cluster_manager`).
 """

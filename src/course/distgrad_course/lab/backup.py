@@ -231,7 +231,7 @@ def fit_on_worker(task_index: int, num_workers: int, backup_dir: str,
     given; worker 1 backs up to `worker_1_backup_dir` if given (a local path of its host's,
     not the chief's). A worker whose peer died fails within `collective_timeout` seconds
     (its all-reduce times out)."""
-    from distgrad_course.lab.multiworker import make_worker_strategy
+    from distgrad_course.lab.local_cluster import make_worker_strategy
 
     strategy = make_worker_strategy(collective_timeout)
     stop = None

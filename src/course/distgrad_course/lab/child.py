@@ -2,9 +2,9 @@
 
 Every experiment that needs a process of its own uses this one runner and its one result
 protocol: tf-keras (`TF_USE_LEGACY_KERAS=1` must be set before TensorFlow is imported,
-`distgrad_course.lab.legacy`), a fresh peak RSS (`distgrad_course.lab.memory`), resuming from a
-checkpoint in a new runtime (`distgrad_course.lab.resume`), and the workers of a local
-`MultiWorkerMirroredStrategy` cluster (`distgrad_course.lab.multiworker`).
+`distgrad_course.lab.tf_keras_runner`), a fresh peak RSS (`distgrad_course.lab.memory`),
+resuming from a checkpoint in a new runtime (`distgrad_course.lab.resume`), and the workers of
+a local `MultiWorkerMirroredStrategy` cluster (`distgrad_course.lab.local_cluster`).
 
 The child runs `python -m distgrad_course.lab.child MODULE:FUNCTION KWARGS_PATH RESULT_PATH`
 (on Linux it is forked from a server that has imported TensorFlow but started no

@@ -1,6 +1,6 @@
 """A cluster manager for local MultiWorkerMirroredStrategy jobs, with fault injection.
 
-`run_cluster_with_restarts` starts the workers (`distgrad_course.lab.multiworker`),
+`run_cluster_with_restarts` starts the workers (`distgrad_course.lab.local_cluster`),
 signals one of them (`Fault`) once its progress file (`progress_path`) shows a given
 micro-batch, or leaves it out, restarts the whole cluster after a failure, at most
 `max_restarts` times, and kills every process it started. A worker that saved and wants
@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from distgrad_course.lab.child import Child, ChildResult, check_timeout, resolve
-from distgrad_course.lab.multiworker import free_ports, tf_config, visible_gpus, worker_devices
+from distgrad_course.lab.local_cluster import free_ports, tf_config, visible_gpus, worker_devices
 
 # What the worker's exit_fn exits with after the handler saved (TensorFlow's own default off
 # Google Cloud is `sys.exit(42)`, BorgTerminationConfig in failure_handling.py).
@@ -194,7 +194,7 @@ def run_cluster_with_restarts(target: str, num_workers: int = 2, workdir: str | 
 
     Starts `target(task_index=i, num_workers=n, workdir=workdir, attempt=a, **kwargs)` in
     `num_workers` local processes (`TF_CONFIG` on fresh ports each attempt, each worker
-    its own GPUs or the CPU only, as `distgrad_course.lab.multiworker.run_workers`), applies
+    its own GPUs or the CPU only, as `distgrad_course.lab.local_cluster.run_workers`), applies
     each `Fault` (a signal sent when the worker's progress file, `progress_path`, is due;
     or a worker left out), and when an attempt ends without every worker succeeding,
     starts the whole cluster again: at most `max_restarts` times. When a worker exits

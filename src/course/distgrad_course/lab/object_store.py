@@ -118,7 +118,7 @@ def fit_on_worker(task_index: int, num_workers: int, backup_dir: str, kill_at=No
                   collective_timeout: float = 60.0, **options) -> dict:
     """Worker target (`run_cluster`): `fit_under` with `MultiWorkerFitModel` on
     `MultiWorkerMirroredStrategy`; every worker logs, only the chief (task 0) writes."""
-    from distgrad_course.lab.multiworker import make_worker_strategy
+    from distgrad_course.lab.local_cluster import make_worker_strategy
 
     strategy = make_worker_strategy(collective_timeout)
     return fit_under(strategy, backup_dir, kill_at, multi_worker=True, **options)
@@ -126,11 +126,16 @@ def fit_on_worker(task_index: int, num_workers: int, backup_dir: str, kill_at=No
 
 def run_cluster(num_workers: int = 2, timeout: float = 240.0, **kwargs) -> list:
     """`fit_on_worker(**kwargs)` on every worker of a local cluster, as
-    `distgrad_course.lab.multiworker.run_workers` runs it, except that once a worker is killed
+    `distgrad_course.lab.local_cluster.run_workers` runs it, except that once a worker is killed
     (exit status `KILLED`) the others are killed too, as a preempted cluster would be,
     instead of waiting out their collective timeout. One `ChildResult` per worker."""
     from distgrad_course.lab.child import Child
-    from distgrad_course.lab.multiworker import free_ports, tf_config, visible_gpus, worker_devices
+    from distgrad_course.lab.local_cluster import (
+        free_ports,
+        tf_config,
+        visible_gpus,
+        worker_devices,
+    )
 
     target = "distgrad_course.lab.object_store:fit_on_worker"
     ports, gpus = free_ports(num_workers), visible_gpus()

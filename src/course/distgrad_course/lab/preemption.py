@@ -80,7 +80,7 @@ def preemptible_worker(task_index: int, num_workers: int, workdir: str, attempt:
     Returns the restored and final counters; the chief writes its final weights to
     `workdir/final.npz`.
     """
-    from distgrad_course.lab.multiworker import make_worker_strategy
+    from distgrad_course.lab.local_cluster import make_worker_strategy
 
     strategy = make_worker_strategy(collective_timeout)
     import tensorflow as tf

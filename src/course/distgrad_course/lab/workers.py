@@ -1,5 +1,5 @@
 """Worker functions for lesson 06, run in every worker by
-`distgrad_course.lab.multiworker.run_workers`.
+`distgrad_course.lab.local_cluster.run_workers`.
 
 Each takes `(task_index, num_workers, **options)`, creates its
 `MultiWorkerMirroredStrategy` first (before other TensorFlow work) and returns a small
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from distgrad_course.lab.multiworker import make_worker_strategy
+from distgrad_course.lab.local_cluster import make_worker_strategy
 
 GLOBAL_BATCH = 16
 

@@ -4,7 +4,7 @@ Each module holds one pitfall and a `reproduce(...)` that runs it and returns a 
 record of what happened: the exception (type and message) or the wrong numbers next
 to the right ones. Lessons print and assert these records; tests assert the same.
 Besides them: `question_mask_patch`, a question's patch that several reproductions run,
-and `legacy_*`, the tf-keras programs run in a child process.
+and `tf_keras_*`, the tf-keras programs run in a child process.
 """
 
 import dataclasses

@@ -6,8 +6,8 @@ MirroredStrategy the optimizer clips every replica's partial gradient and then s
 the clipped parts: a different update than one device clipping the full gradient.
 
 tf-keras (Keras 2) clips *after* the all-reduce, in both its optimizers:
-`reproduce_legacy` measures it in a tf-keras child
-(`distgrad_course.pitfalls.legacy_clip_before_sync`). So Keras 3's order is a regression;
+`reproduce_tf_keras` measures it in a tf-keras child
+(`distgrad_course.pitfalls.tf_keras_clip_before_sync`). So Keras 3's order is a regression;
 TensorFlow's maintainers called clipping before aggregation "usually wrong" in
 tensorflow/tensorflow#33929.
 """
@@ -85,13 +85,13 @@ class LegacyClipRecord:
         return self.max_abs[optimizer, option] <= atol
 
 
-def reproduce_legacy(replicas: int = 2, clip_norm: float = 0.05,
+def reproduce_tf_keras(replicas: int = 2, clip_norm: float = 0.05,
                      examples: int = 16) -> LegacyClipRecord:
-    """Run `legacy_clip_before_sync.clip_on_replicas` under tf-keras in a child
-    (`distgrad_course.lab.legacy.run_legacy`); several seconds of TensorFlow start-up."""
-    from distgrad_course.lab.legacy import run_legacy
+    """Run `tf_keras_clip_before_sync.clip_on_replicas` under tf-keras in a child
+    (`distgrad_course.lab.tf_keras_runner.run_tf_keras`); several seconds of TensorFlow start-up."""
+    from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-    result = run_legacy("distgrad_course.pitfalls.legacy_clip_before_sync:clip_on_replicas",
+    result = run_tf_keras("distgrad_course.pitfalls.tf_keras_clip_before_sync:clip_on_replicas",
                         replicas, clip_norm=clip_norm, examples=examples)
     pairs = [(name, option, diff) for name, options in result["results"].items()
              for option, diff in options.items()]

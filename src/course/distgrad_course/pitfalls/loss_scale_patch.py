@@ -26,8 +26,8 @@ and `reproduce`):
   `LossScaleOptimizer._stateful_handle_finite_grads` calls `inner_optimizer.apply(...)`,
   never `apply_gradients`, so the patch never runs and training is plain
   non-accumulating training. (In tf-keras the wrapper does call
-  `inner_optimizer.apply_gradients`; `legacy_reproduction` runs the question's own
-  train_step there, `distgrad_course.pitfalls.legacy_loss_scale`, in a tf-keras child.)
+  `inner_optimizer.apply_gradients`; `tf_keras_reproduction` runs the question's own
+  train_step there, `distgrad_course.pitfalls.tf_keras_loss_scale`, in a tf-keras child.)
 
 Both variants also count micro-steps as optimizer iterations and let the loss scale
 change inside an accumulation window. The correct composition is lesson 04's fix.
@@ -43,7 +43,6 @@ import tensorflow as tf
 
 from distgrad_course.lab.compare import weights_of
 from distgrad_course.lab.data import regression_data, tiny_model
-from distgrad_course.lab.legacy import run_legacy
 from distgrad_course.lab.mixed import (
     CONTROLLED_INITIAL_SCALE,
     DEFAULT_INITIAL_SCALE,
@@ -52,6 +51,7 @@ from distgrad_course.lab.mixed import (
     overflow_data,
 )
 from distgrad_course.lab.spy import GradientSpy, SpyRecord, flat
+from distgrad_course.lab.tf_keras_runner import run_tf_keras
 from distgrad_course.pitfalls import CapturedError
 from distgrad_course.pitfalls.mask_trick import check_steps
 from distgrad_course.pitfalls.question_mask_patch import QuestionMaskPatch
@@ -359,14 +359,14 @@ def _nan_aware(values):
             for v in values]
 
 
-def legacy_reproduction(scenarios=DEFAULT_LEGACY_SCENARIOS, replicas: int = 2,
+def tf_keras_reproduction(scenarios=DEFAULT_LEGACY_SCENARIOS, replicas: int = 2,
                         micro_batches: int = 6, accumulation_steps: int = 2,
                         micro_batch_per_replica: int = 4, learning_rate: float = 0.1,
                         initial_scale: float = CONTROLLED_INITIAL_SCALE,
                         timeout: float = 300) -> LegacyReproduction:
     """Run the question's train_step and patches under tf-keras 2.x, in one subprocess
-    (`distgrad_course.lab.legacy.run_legacy` of
-    `distgrad_course.pitfalls.legacy_loss_scale`), on the
+    (`distgrad_course.lab.tf_keras_runner.run_tf_keras` of
+    `distgrad_course.pitfalls.tf_keras_loss_scale`), on the
     same data layout as `reproduce`. Raises ValueError for an unknown generation or
     target (before the child starts).
     """
@@ -386,7 +386,7 @@ def legacy_reproduction(scenarios=DEFAULT_LEGACY_SCENARIOS, replicas: int = 2,
             "patch_returns_result": s.patch_returns_result,
             "batch_size": global_batch * (accumulation_steps if big else 1),
             "learning_rate": learning_rate * (accumulation_steps if big else 1)})
-    result = run_legacy("distgrad_course.pitfalls.legacy_loss_scale:run_scenarios", replicas,
+    result = run_tf_keras("distgrad_course.pitfalls.tf_keras_loss_scale:run_scenarios", replicas,
                         timeout=timeout, x=x.tolist(), scenarios=payload,
                         accumulation_steps=accumulation_steps, initial_scale=initial_scale)
     records = {}

@@ -107,15 +107,15 @@ def reproduce(strategy, examples: int = 16) -> OutsideStrategyRunRecord:
     )
 
 
-def reproduce_legacy(replicas: int = 2) -> CapturedError:
+def reproduce_tf_keras(replicas: int = 2) -> CapturedError:
     """The error tf.keras 2's OptimizerV2 raises for the same call, from a tf-keras child
-    (`distgrad_course.lab.legacy.run_legacy` of
-    `distgrad_course.pitfalls.legacy_outside_strategy_run.apply_outside_run`); several seconds
+    (`distgrad_course.lab.tf_keras_runner.run_tf_keras` of
+    `distgrad_course.pitfalls.tf_keras_outside_strategy_run.apply_outside_run`); several seconds
     of TensorFlow start-up."""
-    from distgrad_course.lab.legacy import run_legacy
+    from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-    result = run_legacy("distgrad_course.pitfalls.legacy_outside_strategy_run:apply_outside_run",
-                        replicas)
+    result = run_tf_keras(
+        "distgrad_course.pitfalls.tf_keras_outside_strategy_run:apply_outside_run", replicas)
     return CapturedError(result["type"], result["message"])
 
 

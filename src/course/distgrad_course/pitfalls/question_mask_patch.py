@@ -5,7 +5,7 @@ Question 003 (tensorflow/tensorflow#50454) installs it on an optimizer instance:
 trainable_variables).apply_gradients`. Written once, for both Keras generations: it
 imports only TensorFlow, so `tf.keras` is Keras 3 where `mask_trick` and
 `loss_scale_patch` run it, and tf-keras (the Keras the question ran) in the child
-process where `legacy_loss_scale` runs it (`TF_USE_LEGACY_KERAS=1`).
+process where `tf_keras_loss_scale` runs it (`TF_USE_LEGACY_KERAS=1`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ model is a zero-initialized `Dense(1, use_bias=False)` with "mae" loss against t
 above it and SGD(1.0): every step adds its batch's x to w, so the increase of w in a step
 names the batch it trained (`Recorder`).
 
-Either Keras: in a `distgrad_course.lab.legacy.run_legacy` child (`TF_USE_LEGACY_KERAS=1`) it
-uses tf-keras and `legacy_strategy`; in any other process Keras 3 and
+Either Keras: in a `distgrad_course.lab.tf_keras_runner.run_tf_keras` child
+(`TF_USE_LEGACY_KERAS=1`) it uses tf-keras and `tf_keras_strategy`; in any other process Keras 3 and
 `distgrad_course.make_strategy` (call it before other TensorFlow work there, as make_strategy
 says). Measured (TF 2.21, 2 replicas, the defaults): tf-keras resumes at step 6 of
 epoch 0 but trains batches 0, 1 there (16 updates, w 60 instead of 72); Keras 3 replays
@@ -36,9 +36,9 @@ class Crash(Exception):
 def _keras_and_strategy(replicas: int):
     """(keras module, its name and version, strategy) for this process."""
     if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-        from distgrad_course.lab.legacy import legacy_strategy
+        from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
 
-        strategy = legacy_strategy(replicas)  # before other TensorFlow work
+        strategy = tf_keras_strategy(replicas)  # before other TensorFlow work
         import tf_keras as keras
 
         return keras, f"tf_keras {keras.__version__}", strategy

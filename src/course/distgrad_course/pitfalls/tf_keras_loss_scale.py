@@ -1,8 +1,9 @@
 """Lesson 04 under tf-keras (Keras 2): the question's own train_step and patch.
 
-tf-keras only: this module is imported in a `distgrad_course.lab.legacy.run_legacy` child,
-where `TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package;
-`distgrad_course.pitfalls.loss_scale_patch.legacy_reproduction` runs `run_scenarios` there.
+tf-keras only: this module is imported in a
+`distgrad_course.lab.tf_keras_runner.run_tf_keras` child, where `TF_USE_LEGACY_KERAS=1`
+makes `tf.keras` the tf-keras package;
+`distgrad_course.pitfalls.loss_scale_patch.tf_keras_reproduction` runs `run_scenarios` there.
 `GradientAccumulationPatch` is the question's patch (tensorflow/tensorflow#50454,
 `question_mask_patch.QuestionMaskPatch`, the class Keras 3 runs too) under tf-keras, as
 the user ran it. `QuestionModel.train_step` is the question's (`get_scaled_loss` /
@@ -15,15 +16,16 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-# tf-keras, or TensorFlow <= 2.15's own Keras 2 (a run_legacy child without the switch).
+# tf-keras, or TensorFlow <= 2.15's own Keras 2 (a run_tf_keras child without the switch).
 if not tf.keras.Model.__module__.startswith(("tf_keras.", "keras.src.engine.")):
-    raise ImportError("distgrad_course.pitfalls.legacy_loss_scale is tf-keras code: run it through "
-                      "distgrad_course.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
+    raise ImportError("distgrad_course.pitfalls.tf_keras_loss_scale is tf-keras code: run it "
+                      "through distgrad_course.lab.tf_keras_runner.run_tf_keras "
+                      "(TF_USE_LEGACY_KERAS=1).")
 
-from distgrad_course.lab.legacy import legacy_strategy
+from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
 from distgrad_course.pitfalls.question_mask_patch import QuestionMaskPatch
 
-keras = tf.keras  # tf-keras here (checked by legacy_strategy)
+keras = tf.keras  # tf-keras here (checked by tf_keras_strategy)
 
 
 class GradientAccumulationPatch(QuestionMaskPatch):
@@ -156,7 +158,7 @@ def run_scenarios(replicas: int, x, scenarios, accumulation_steps: int,
     tf-keras' newer SGD), `target` ("loss_scale_optimizer", "inner_optimizer" or
     "none"), `y`, `batch_size`, `learning_rate`, `patch_returns_result`. `x` is shared.
     """
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     x_all = np.array(x, np.float32)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:

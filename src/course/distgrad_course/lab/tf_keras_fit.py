@@ -1,7 +1,7 @@
-"""tf-keras training recipes for `distgrad.tf_keras`, run in a `run_legacy` child.
+"""tf-keras training recipes for `distgrad.tf_keras`, run in a `run_tf_keras` child.
 
-tf-keras only: imported in a child that `distgrad_course.lab.legacy.run_legacy` starts, where
-`TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package. The incidentals of the
+tf-keras only: imported in a child that `distgrad_course.lab.tf_keras_runner.run_tf_keras`
+starts, where `TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package. The incidentals of the
 tf-keras tests (`tests/test_tf_keras_*.py`) and of the tf-keras programs lessons 02–04
 write: the tiny model, a `model.fit` under a strategy and the one-device big-batch
 `fit` it is compared with, a callback reading the counters after every batch, and the
@@ -18,12 +18,12 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 
-# tf-keras, or TensorFlow <= 2.15's own Keras 2 (a run_legacy child without the switch).
+# tf-keras, or TensorFlow <= 2.15's own Keras 2 (a run_tf_keras child without the switch).
 if not tf.keras.Model.__module__.startswith(("tf_keras.", "keras.src.engine.")):
-    raise ImportError("distgrad_course.lab.legacy_fit is tf-keras code: run it through "
-                      "distgrad_course.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
+    raise ImportError("distgrad_course.lab.tf_keras_fit is tf-keras code: run it through "
+                      "distgrad_course.lab.tf_keras_runner.run_tf_keras (TF_USE_LEGACY_KERAS=1).")
 
-keras = tf.keras  # tf-keras here (the child's legacy_strategy checks it)
+keras = tf.keras  # tf-keras here (the child's tf_keras_strategy checks it)
 
 
 # `distgrad_course.lab.compare.OPTIMIZERS` in tf-keras: today's optimizers and the era's

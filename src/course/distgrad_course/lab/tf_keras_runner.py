@@ -5,13 +5,13 @@ TensorFlow 2.16). TensorFlow still ships that behaviour as the separate `tf-kera
 package, selected by the environment variable `TF_USE_LEGACY_KERAS=1` -- but the
 variable is read when TensorFlow is *imported* (`tensorflow/python/util/lazy_loader.py`,
 `KerasLazyLoader`), so a process that already imported TensorFlow with Keras 3 cannot
-switch. `run_legacy("package.module:function", replicas, **kwargs)` therefore calls
+switch. `run_tf_keras("package.module:function", replicas, **kwargs)` therefore calls
 `function(replicas=replicas, **kwargs)` in a child (`distgrad_course.lab.child`) with the
 variable set, and returns its value with the versions it ran on.
 
 The function's module is imported only in the child, so it may be tf-keras code
-through and through (`distgrad_course.pitfalls.legacy_loss_scale`). The function must build
-its strategy first, before other TensorFlow work: `strategy = legacy_strategy(replicas)`.
+through and through (`distgrad_course.pitfalls.tf_keras_loss_scale`). The function must build
+its strategy first, before other TensorFlow work: `strategy = tf_keras_strategy(replicas)`.
 Batch several observations into one function: each child pays TensorFlow's start-up
 (several seconds).
 
@@ -34,14 +34,14 @@ from distgrad_course.lab.child import (
 )
 
 LEGACY_ENV = "TF_USE_LEGACY_KERAS"
-_built: dict = {}  # in the child: the strategy `legacy_strategy` made
+_built: dict = {}  # in the child: the strategy `tf_keras_strategy` made
 
 
 @dataclasses.dataclass(frozen=True)
-class LegacyResult:
+class TfKerasResult:
     """What the tf-keras function returned (`value`, as JSON: non-finite floats are the
     strings "nan", "inf", "-inf"), and what it ran on: TensorFlow and tf-keras
-    versions, the replicas of the strategy `legacy_strategy` built (None if it was not
+    versions, the replicas of the strategy `tf_keras_strategy` built (None if it was not
     called), the child's wall time. `result[key]` is `result.value[key]`."""
 
     tensorflow: str
@@ -54,7 +54,7 @@ class LegacyResult:
         return self.value[key]
 
 
-def legacy_keras_available() -> bool:
+def tf_keras_available() -> bool:
     """True if the `tf_keras` package is importable in this environment."""
     return importlib.util.find_spec("tf_keras") is not None
 
@@ -71,7 +71,7 @@ def _check_tf_keras():
         return keras
     if os.environ.get(LEGACY_ENV) != "1":
         raise RuntimeError(f"{LEGACY_ENV}=1 must be set before TensorFlow is imported; "
-                           "call this through run_legacy.")
+                           "call this through run_tf_keras.")
     import tf_keras
 
     if not tf.keras.Model.__module__.startswith("tf_keras"):
@@ -79,14 +79,14 @@ def _check_tf_keras():
     return tf_keras
 
 
-def legacy_strategy(replicas: int = 1):
+def tf_keras_strategy(replicas: int = 1):
     """In a tf-keras child: a `MirroredStrategy` over `replicas` devices; call it first.
 
     The devices `distgrad_course.make_strategy` would use
     (`distgrad_course.devices.replica_devices`:
     GPUs, a split GPU, or logical CPU devices, which must be configured before
     TensorFlow initializes its runtime), with TF32 off as there. Raises RuntimeError
-    outside a `run_legacy` child (tf.keras is not tf-keras).
+    outside a `run_tf_keras` child (tf.keras is not tf-keras).
     """
     import tensorflow as tf
 
@@ -112,8 +112,8 @@ def _call_in_child(target: str, replicas: int, kwargs: dict) -> dict:
             "value": value}
 
 
-def run_legacy(target: str, replicas: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
-               env: dict | None = None, **kwargs) -> LegacyResult:
+def run_tf_keras(target: str, replicas: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
+               env: dict | None = None, **kwargs) -> TfKerasResult:
     """Call `target(replicas=replicas, **kwargs)` under tf-keras in a child Python.
 
     `target` is `"package.module:function"`, imported only in the child, which has
@@ -136,15 +136,15 @@ def run_legacy(target: str, replicas: int = 1, timeout: float = DEFAULT_TIMEOUT_
     positive_int("replicas", replicas)
     timeout = check_timeout(timeout)
     env = {LEGACY_ENV: "1", **(env or {})}  # {LEGACY_ENV: None}: TF <= 2.15's own tf.keras
-    if env[LEGACY_ENV] is not None and not legacy_keras_available():
+    if env[LEGACY_ENV] is not None and not tf_keras_available():
         raise ImportError("tf-keras is not installed, so legacy Keras 2 cannot be run: "
                           "`pip install tf-keras` (the same minor version as tensorflow).")
     try:
-        result = run_child("distgrad_course.lab.legacy:_call_in_child",
+        result = run_child("distgrad_course.lab.tf_keras_runner:_call_in_child",
                            {"target": target, "replicas": replicas, "kwargs": kwargs},
                            env=env, timeout=timeout)
     except ChildError as err:
         raise ChildError(f"{target} under tf-keras: {err}") from None
     value = result.value
-    return LegacyResult(value["tensorflow"], value["tf_keras"], value["replicas"],
+    return TfKerasResult(value["tensorflow"], value["tf_keras"], value["replicas"],
                         value["value"], result.seconds)

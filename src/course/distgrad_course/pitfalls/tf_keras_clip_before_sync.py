@@ -1,8 +1,8 @@
 """Lesson 01's clipping under tf-keras (Keras 2): the optimizer clips *after* the all-reduce.
 
-tf-keras only: imported in a `distgrad_course.lab.legacy.run_legacy` child, where
+tf-keras only: imported in a `distgrad_course.lab.tf_keras_runner.run_tf_keras` child, where
 `TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package;
-`distgrad_course.pitfalls.clip_before_sync.reproduce_legacy` runs `clip_on_replicas` there.
+`distgrad_course.pitfalls.clip_before_sync.reproduce_tf_keras` runs `clip_on_replicas` there.
 
 Both tf-keras optimizers sum first and clip second: `tf.keras.optimizers.SGD`
 (`tf_keras/src/optimizers/optimizer.py`: `apply_gradients` calls `aggregate_gradients`,
@@ -17,13 +17,14 @@ from __future__ import annotations
 import os
 
 if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
-    raise ImportError("distgrad_course.pitfalls.legacy_clip_before_sync is tf-keras code: run it "
-                      "through distgrad_course.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
+    raise ImportError("distgrad_course.pitfalls.tf_keras_clip_before_sync is tf-keras code: run "
+                      "it through distgrad_course.lab.tf_keras_runner.run_tf_keras "
+                      "(TF_USE_LEGACY_KERAS=1).")
 
 import numpy as np
 import tensorflow as tf
 
-from distgrad_course.lab.legacy import legacy_strategy
+from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
 
 OPTIMIZERS = {"SGD": lambda **kw: tf.keras.optimizers.SGD(**kw),
               "legacy.SGD": lambda **kw: tf.keras.optimizers.legacy.SGD(**kw)}
@@ -88,7 +89,7 @@ def clip_on_replicas(replicas: int, clip_norm: float = 0.05, learning_rate: floa
     of the full gradient and of each replica's partial gradient (all above
     `clip_norm`, so clipping is active in every run).
     """
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     x, y = _data(examples)
     initial = _model().get_weights()
     results, norms = {}, {}

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from distgrad_course.lab.multiworker import (
+from distgrad_course.lab.local_cluster import (
     free_ports,
     run_workers,
     tf_config,

@@ -1,8 +1,8 @@
 """Lesson 02's question under tf-keras (Keras 2): `apply_gradients` outside `strategy.run`.
 
-tf-keras only: imported in a `distgrad_course.lab.legacy.run_legacy` child, where
+tf-keras only: imported in a `distgrad_course.lab.tf_keras_runner.run_tf_keras` child, where
 `TF_USE_LEGACY_KERAS=1` makes `tf.keras` the tf-keras package;
-`distgrad_course.pitfalls.outside_strategy_run.reproduce_legacy` runs `apply_outside_run`
+`distgrad_course.pitfalls.outside_strategy_run.reproduce_tf_keras` runs `apply_outside_run`
 there, to show the message the user quoted (OptimizerV2's cross-replica check).
 """
 
@@ -11,20 +11,21 @@ from __future__ import annotations
 import os
 
 if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
-    raise ImportError("distgrad_course.pitfalls.legacy_outside_strategy_run is tf-keras code: "
+    raise ImportError("distgrad_course.pitfalls.tf_keras_outside_strategy_run is tf-keras code: "
                       "run it "
-                      "through distgrad_course.lab.legacy.run_legacy (TF_USE_LEGACY_KERAS=1).")
+                      "through distgrad_course.lab.tf_keras_runner.run_tf_keras "
+                      "(TF_USE_LEGACY_KERAS=1).")
 
 import tensorflow as tf
 
-from distgrad_course.lab.legacy import legacy_strategy
+from distgrad_course.lab.tf_keras_runner import tf_keras_strategy
 
 
 def apply_outside_run(replicas: int) -> dict:
     """Per-replica gradients from `strategy.run`, applied under the scope but outside
     `strategy.run` with `tf.keras.optimizers.legacy.SGD`; the error's type and message
     (both None if it ran)."""
-    strategy = legacy_strategy(replicas)
+    strategy = tf_keras_strategy(replicas)
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(4,))])
         optimizer = tf.keras.optimizers.legacy.SGD(0.1)
