@@ -36,11 +36,18 @@ def _strategy(replicas):
 
 @pytest.fixture(autouse=True)
 def collect_garbage_after_long_tests():
-    """`collect_garbage` (below) after every test that ran 1 s or more: the stalls of
-    10-90 s it prevents hit whichever later test the cyclic GC happens to run in, which
-    `make test`'s slowest tests showed (tests of 3-4 s alone took 20-45 s in the suite).
-    A full collection costs about 0.13 s with TensorFlow loaded, so quick tests, which
-    run no `fit`, skip it."""
+    """`gc.collect()` after every test that ran 1 s or more, so that the `tf.data`
+    iterators it left in reference cycles are freed while they are young.
+
+    Freeing an iterator joins its autotuning thread (`Model::OptimizeLoop`), with the GIL
+    held. That thread sleeps between optimizations for a period that doubles from 10 ms
+    up to 60 s, so about the iterator's age; when it misses the cancellation (a race in
+    TensorFlow 2.21: about half the frees here) it sleeps out that period first, and
+    every thread of the process waits. `benchmarks/iterator_free.py` measures it with
+    TensorFlow alone. A `fit` that raised leaves its iterator in a cycle (Keras' epoch
+    iterator and its suspended generator), freed by whichever later cyclic GC runs: in
+    `make test` that made tests of 3-4 s take 20-45 s. A full collection costs about
+    0.13 s with TensorFlow loaded, so quick tests, which run no `fit`, skip it."""
     start = time.perf_counter()
     yield
     if time.perf_counter() - start >= 1.0:
@@ -49,11 +56,8 @@ def collect_garbage_after_long_tests():
 
 @pytest.fixture
 def collect_garbage():
-    """For a test in which `fit` raises. The traceback holds the fit's tf.data iterator in
-    reference cycles until the cyclic GC frees it, which can be several tests later. An
-    iterator freed long after it stopped was measured to block the freeing thread, with
-    the GIL held, for 10-90 s (a tf.data background thread has to end first). Freed
-    right after the test, it went at once in every run measured."""
+    """`gc.collect()` after a quick test in which `fit` raises (see above). The lab's
+    `backup.one_fit` frees a `fit` it stops by itself (`backup.free_stopped_fit`)."""
     yield
     gc.collect()
 

@@ -22,6 +22,7 @@ and "dropout" ("accumulating" with a seeded `Dropout(0.5)` between the two layer
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 
@@ -192,9 +193,28 @@ def one_fit(strategy, backup_dir: str, kind: str = "accumulating", callback: str
     callbacks = [_callback(callback, backup_dir, save_freq, double_checkpoint,
                            handle_sigterm, run_id), *extra]
     callbacks += [stop] if stop else []
-    history = model.fit(data, epochs=EPOCHS, steps_per_epoch=steps_per_epoch, verbose=0,
-                        callbacks=callbacks, shuffle=False)  # (a tf.data pipeline's own order)
-    return result_of(model, history)
+    try:
+        history = model.fit(data, epochs=EPOCHS, steps_per_epoch=steps_per_epoch, verbose=0,
+                            callbacks=callbacks, shuffle=False)  # (the pipeline's own order)
+    except Preempted as stopped:
+        raised = Preempted(*stopped.args)
+    except SystemExit as stopped:  # BackupAndRestore's exit on SIGTERM
+        raised = SystemExit(stopped.code)
+    else:
+        return result_of(model, history)
+    free_stopped_fit()  # the traceback is gone: nothing but a cycle holds the fit's frames
+    raise raised
+
+
+def free_stopped_fit() -> None:
+    """Free the `tf.data` iterator of a `fit` that raised, while it is young.
+
+    Keras' epoch iterator and its suspended generator hold each other, so only the cyclic
+    GC frees the iterator of a `fit` that raised. Freeing an iterator joins its tf.data
+    autotuning thread, with the GIL held; when that thread misses the cancellation it
+    first sleeps out its period, which doubles from 10 ms up to 60 s (about the
+    iterator's age): `benchmarks/iterator_free.py`. Collected now, the wait is short."""
+    gc.collect()
 
 
 def interrupted_fit(strategy, backup_dir: str, cut: int, **options) -> FitResult:
