@@ -74,10 +74,10 @@ def test_quick_run_writes_json_three_plots_and_every_table_the_page_includes_onc
     included = INCLUDE.findall(page)
     written = sorted(p.name for p in out.glob("*.md"))
     # Each generated file is included exactly once (multi-worker.md is written by
-    # benchmarks.multi_worker, tests/test_multi_worker_bench.py), and the page holds no
-    # table itself.
+    # benchmarks.multi_worker, tests/test_multi_worker_bench.py; iterator-free.md by
+    # benchmarks.iterator_free, below), and the page holds no table itself.
     assert written == sorted(f"{n}.md" for n in [*report.TITLES, "gpu"])
-    assert sorted(included) == sorted([*written, "multi-worker.md"])
+    assert sorted(included) == sorted([*written, "multi-worker.md", "iterator-free.md"])
     assert not [line for line in page.splitlines() if line.startswith("|")]
     for name in written:
         assert (out / name).read_text(encoding="utf-8").strip(), name
@@ -97,6 +97,20 @@ def test_committed_tables_are_what_the_report_makes_of_the_committed_json(tmp_pa
     for made in tmp_path.glob("*.md"):
         assert filecmp.cmp(made, docs / made.name, shallow=False), (
             f"docs/performance/{made.name} is stale: run `python -m benchmarks.run --report-only`")
+
+
+def test_the_iterator_free_table_is_what_the_report_makes_of_its_committed_json(tmp_path):
+    from benchmarks import iterator_free
+
+    shutil.copy(ROOT / "docs" / "performance" / "iterator_free.json", tmp_path)
+    results = iterator_free.main(["--report-only", "--out", str(tmp_path)])
+    assert filecmp.cmp(tmp_path / "iterator-free.md",
+                       ROOT / "docs" / "performance" / "iterator-free.md", shallow=False), (
+        "docs/performance/iterator-free.md is stale: run "
+        "`python -m benchmarks.iterator_free --report-only`")
+    for age in results["ages_s"]:  # a row per age, each cell over every round
+        for autotune in ("on", "off"):
+            assert len(results["free_s"][f"{autotune} {age}"]) == results["rounds"]
 
 
 def test_a_verdict_only_when_the_quartiles_are_within_the_target():

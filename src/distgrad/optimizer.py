@@ -81,7 +81,7 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
         self._built_under, self._under_loss_scaling = None, False
         self._skips_reported = None  # `skipped_updates` when the step was traced / last fit
         self.micro_steps = self.skipped_updates = None  # variables, created by `build`
-        # Inside Keras' own wrapper on one replica (see py).
+        # Inside Keras' own wrapper on one replica (its section, below the class).
         self._stock_wrapper = self.skipped_micro_batches = self._next_loss_scale = None
         self._micro_skips_reported = None  # `skipped_micro_batches` at the first trace / fit
         for option in CLIP_OPTIONS:
