@@ -349,9 +349,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "record": metadata, "restored": False}
 
 
-# ---- What BackupAndRestore must know of `fit`'s data, taken from `fit`'s own arguments.
-#
-# What `BackupAndRestore` must know of `fit`'s data, taken from `fit`'s own arguments.
+# ---- What `BackupAndRestore` must know of `fit`'s data, taken from `fit`'s own arguments.
 #
 #     class MyModel(ResumableFit, keras.Model): ...       # subclassed models
 #     model = ResumableFitModel(inputs, outputs)           # functional
@@ -525,11 +523,9 @@ class ResumableFitModel(ResumableFit, keras.Model):
     functional arguments: `ResumableFitModel(inputs, outputs)` (see `ResumableFit`)."""
 
 
-# ---- The files of a backup, committed so that a kill at any moment leaves a whole backup.
-#
-# The files of a `BackupAndRestore` backup, committed so that a kill at any moment leaves a
-# whole backup behind: on a local disk, and on object storage (gs://, s3://), where a rename
-# is a copy followed by a delete and only the write of one object is atomic.
+# ---- The files of a `BackupAndRestore` backup, committed so that a kill at any moment
+# leaves a whole backup behind: on a local disk, and on object storage (gs://, s3://),
+# where a rename is a copy followed by a delete and only the write of one object is atomic.
 #
 #     store = BackupStore("gs://bucket/run-1", keep_previous=False)
 #     metadata = store.load(model)  # the newest whole backup's metadata (weights loaded), or None
@@ -861,10 +857,8 @@ class BackupStore:
             tf.io.gfile.rmtree(self.directory)
 
 
-# ---- SIGTERM: every worker backs up after the same batch, then exits with PREEMPTED_EXIT_CODE.
-#
-# `BackupAndRestore`'s `SIGTERM`: every worker backs up after the same batch, then the
-# process exits with `PREEMPTED_EXIT_CODE`.
+# ---- `BackupAndRestore`'s `SIGTERM`: every worker backs up after the same batch, then
+# the process exits with `PREEMPTED_EXIT_CODE`.
 #
 #     watch = SigtermWatch(cluster_of(strategy) if multi_worker else None)  # at fit start:
 #                                     # installs the handler (Python allows the main thread only)
