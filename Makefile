@@ -11,9 +11,12 @@ EXTRAS := docs,test,legacy
 EXECUTED := docs/lessons
 NOTEBOOK_TIMEOUT ?= 900
 # pytest-xdist workers for the unit tests and the lessons (each its own TensorFlow
-# process with its own logical devices); 2 matches CI's 2 cores. Unit tests go to workers
+# process with its own logical devices). Three on CI's 2 cores: with two, the cores sat
+# idle a third of the time (125 % CPU of 200 %: tests waiting on child processes, SLURM
+# daemons, timeouts, and tf.data frees, docs/performance.md), and a third worker fills it
+# (153 %, 16.0 against 19.0 minutes of unit tests and lessons). Unit tests go to workers
 # file by file (--dist loadfile), so a module's fixtures run once.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 # A pytest run that collects nothing exits 5; record each run's status for .ci/run.
 PYTEST_STATUS := build/pytest-status
 # Headless Chromium for the browser check of the built site (Debian package `chromium`).

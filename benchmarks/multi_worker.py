@@ -82,7 +82,9 @@ PRESETS = {
         ],
     },
     "quick": {
-        "sizes": {"features": 16, "hidden": 32, "layers": 1, "per_worker_batch": 4,
+        # 9 k parameters: a gradient all-reduce's bytes well above a small one's framing
+        # (the finiteness flag), so bytes per update tell 1 all-reduce from k.
+        "sizes": {"features": 16, "hidden": 512, "layers": 1, "per_worker_batch": 4,
                   "block": 2},
         "configs": [
             {"name": "1 worker alone", "workers": 1, "rate": None, "keys": ["compute_only"],
