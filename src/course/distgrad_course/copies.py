@@ -9,8 +9,8 @@ A reference file marks its copy with two comment lines; the first names what it 
     # ---- end of the code generated from non_finite.py
 
 Between them go those definitions and every one they use, in `non_finite.py`'s order, with
-the comments above each. `python -m distgrad_course.copies` rewrites every copy (`make
-copies`); `--check` lists the stale ones and exits 1 (`tests/test_copy_alone.py` runs it).
+the comments above each. `python -m distgrad_course.copies` rewrites every stale copy (`make
+copies`); `tests/test_copy_alone.py` fails while one is stale (`stale_copies`).
 """
 
 from __future__ import annotations
@@ -100,14 +100,9 @@ def files_with_copies(library: Path = LIBRARY) -> list[str]:
             if BEGIN.search(path.read_text())]
 
 
-def main(argv: list[str]) -> int:
-    stale = stale_copies()
-    if "--check" in argv:
-        for name in stale:
-            print(f"src/distgrad/{name}: its copy of non_finite.py is stale: run `make copies`.")
-        return 1 if stale else 0
+def main() -> int:
     source = SOURCE.read_text()
-    for name in stale:
+    for name in stale_copies():
         path = LIBRARY / name
         path.write_text(regenerate(path.read_text(), source))
         print(f"rewrote the non_finite.py copy in src/distgrad/{name}")
@@ -115,4 +110,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
