@@ -1,7 +1,7 @@
 """How long freeing a `tf.data` iterator takes, against the iterator's age.
 
-    .venv/bin/python -m benchmarks.iterator_free               # 8 rounds per age: docs/performance/
-    .venv/bin/python -m benchmarks.iterator_free --quick       # smoke size, into --out
+    .venv/bin/python -m benchmarks.iterator_free               # 8 rounds: docs/performance/
+    .venv/bin/python -m benchmarks.iterator_free --quick       # benchmarks/results/quick/
     .venv/bin/python -m benchmarks.iterator_free --report-only # the table from the JSON
 
 An iterator whose options have autotuning on (the default) owns a model thread
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "performance"
+QUICK_OUT = OUT.parents[1] / "benchmarks" / "results" / "quick"  # never over the docs' data
 SLOW_S = 0.1  # a free is "slow" above this; a plain one takes about a millisecond
 
 
@@ -76,8 +77,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="2 rounds, ages 0.2 and 1 s")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the table from the JSON in --out; measure nothing")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"default: {OUT}")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: docs/performance (quick: benchmarks/results/quick)")
     args = parser.parse_args(argv)
+    args.out = args.out or (QUICK_OUT if args.quick else OUT)
     if args.report_only:
         results = json.loads((args.out / "iterator_free.json").read_text())
     else:

@@ -188,8 +188,9 @@ show_code(BackupAndRestore._train)
 # `SIGTERM` backs up and exits with status 42 (deep dive). Each backup writes
 # `ckpt-<n>.weights.h5` (`model.save_weights`: model and optimizer variables), then commits
 # it with Keras' `training_metadata.json`, which names it and adds the position in the data
-# and the run's identity (deep dives below). It copies into a project as one file
-# (`src/distgrad/backup_and_restore.py`: TensorFlow, Keras and the standard library only).
+# and the run's identity (deep dives below). It copies into a project as one file,
+# `src/distgrad/backup_and_restore.py` (`tests/test_copy_alone.py` backs up a `fit` with the
+# file copied alone).
 #
 # Keras hands a callback the model and `params` (epochs, steps, verbosity), not `fit`'s
 # data. `ResumableFitModel`'s `fit` hands the callback its arguments (for a subclassed

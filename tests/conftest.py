@@ -41,10 +41,10 @@ def collect_garbage_after_long_tests():
 
     Freeing an iterator joins its autotuning thread (`Model::OptimizeLoop`), with the GIL
     held. That thread sleeps between optimizations for a period that doubles from 10 ms
-    up to 60 s, so about the iterator's age; when it misses the cancellation (a race in
-    TensorFlow 2.21: about half the frees here) it sleeps out that period first, and
-    every thread of the process waits. `benchmarks/iterator_free.py` measures it with
-    TensorFlow alone. A `fit` that raised leaves its iterator in a cycle (Keras' epoch
+    up to 60 s; when it misses the cancellation (a race in TensorFlow 2.21: 3 of 8 frees
+    of an 8 s old iterator in `benchmarks/iterator_free.py`) it sleeps out the rest of
+    its period first, and every thread of the process waits (measured there with
+    TensorFlow alone). A `fit` that raised leaves its iterator in a cycle (Keras' epoch
     iterator and its suspended generator), freed by whichever later cyclic GC runs: in
     `make test` that made tests of 3-4 s take 20-45 s. A full collection costs about
     0.13 s with TensorFlow loaded, so quick tests, which run no `fit`, skip it."""

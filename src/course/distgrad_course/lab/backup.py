@@ -186,7 +186,9 @@ def one_fit(strategy, backup_dir: str, kind: str = "accumulating", callback: str
             run_id=None, resumable: bool = True) -> FitResult:
     """One `fit` of a fresh model with the backup callback, then the callbacks `extra`,
     then `stop` (a callback that ends it early), if given. Without `data`: `dataset` of
-    `batches` batches per epoch. `resumable`: the model is a `ResumableFit`."""
+    `batches` batches per epoch. `resumable`: the model is a `ResumableFit`. A stop
+    (`Preempted`, or `SystemExit` on SIGTERM) is raised again without the fit's traceback,
+    after the stopped fit's data iterator is freed (`free_stopped_fit`)."""
     model = build(strategy, kind, multi_worker=multi_worker, resumable=resumable)
     if data is None:
         data = dataset(batches, repeat=steps_per_epoch is not None)
