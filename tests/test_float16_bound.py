@@ -72,3 +72,14 @@ def test_a_rounding_sized_difference_passes_and_a_real_one_fails():
         check_float16_close(wrong, expected, initial, batch=8)
     with pytest.raises(AssertionError, match="agree within float16 rounding"):
         check_float16_apart(rounded, expected, initial, batch=8)
+
+
+def test_the_bound_follows_the_model_widths_it_is_given():
+    # Lesson 04's fix model (4 -> 16 -> 1) rounds 61 times at 32 examples a replica, the
+    # default tiny model (4 -> 8 -> 1) 53: a step 5.7 % longer (5.4 % of the change) is
+    # rounding for the first only (bounds 6.1 % and 5.3 %).
+    assert step_roundings(32, widths=(4, 16, 1)) == 61 and step_roundings(32) == 53
+    initial, expected = updates(1.0)
+    _, off = updates(1.057)
+    check_float16_close(off, expected, initial, batch=32, widths=(4, 16, 1))
+    check_float16_apart(off, expected, initial, batch=32)

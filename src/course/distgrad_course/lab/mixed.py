@@ -65,16 +65,18 @@ def _float16_ratios(actual, expected, initial):
     return ratios
 
 
-def check_float16_close(actual, expected, initial, batch: int, what: str = "weights"):
+def check_float16_close(actual, expected, initial, batch: int, what: str = "weights",
+                        widths=TINY_MODEL_WIDTHS):
     """Assert two float16 trainings from the same `initial` weights made the same updates
     up to float16 rounding: for every weight, the largest difference of the two is at
-    most `float16_rtol(step_roundings(batch))` of the largest change either made. `batch`
-    is the most examples one replica sums in one float16 gradient, in either run.
+    most `float16_rtol(step_roundings(batch, widths))` of the largest change either made.
+    `batch` is the most examples one replica sums in one float16 gradient, in either run;
+    `widths` are the model's layer widths (`step_roundings`).
 
     Norm-wise, per weight: float16's bound is relative to the magnitudes summed, so an
     element that cancels to near zero may be off by more than itself. Returns the
     `WeightDiff` of the weights, for printing."""
-    rtol = float16_rtol(step_roundings(batch))
+    rtol = float16_rtol(step_roundings(batch, widths))
     ratios = _float16_ratios(actual, expected, initial)
     if max(ratios) > rtol:
         raise AssertionError(
@@ -83,10 +85,11 @@ def check_float16_close(actual, expected, initial, batch: int, what: str = "weig
     return weight_diff(actual, expected)
 
 
-def check_float16_apart(actual, expected, initial, batch: int, what: str = "weights"):
+def check_float16_apart(actual, expected, initial, batch: int, what: str = "weights",
+                        widths=TINY_MODEL_WIDTHS):
     """Assert the opposite of `check_float16_close`: some weight's two changes differ by
     more than float16 rounding explains (a pitfall must make a real difference)."""
-    rtol = float16_rtol(step_roundings(batch))
+    rtol = float16_rtol(step_roundings(batch, widths))
     ratios = _float16_ratios(actual, expected, initial)
     if max(ratios) <= rtol:
         raise AssertionError(
