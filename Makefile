@@ -140,25 +140,34 @@ unit: install slurm
 # start are short and both workers stay busy until the end. xdist would otherwise put
 # the files with the most tests first and the one-item lessons last; and given the
 # `tests` directory, pytest would collect its files in name order, so they are named
-# one by one (files not listed here run last).
+# one by one (files not listed here run last, those of the reference classes' folders
+# `tests/*/` too).
 LONGEST_FIRST := $(EXECUTED)/04_loss_scale_optimizer_pitfall.ipynb \
   $(EXECUTED)/05_accumulate_in_train_step.ipynb tests/test_benchmarks.py \
   $(EXECUTED)/03_cond_and_merge_call.ipynb tests/test_recipes.py tests/test_slurm.py \
-  tests/test_cluster.py tests/test_train_step.py \
-  tests/test_user_paths.py tests/test_fix_cells.py tests/test_backup_and_restore.py \
-  tests/test_backup_commit.py tests/test_backup_sigterm.py \
-  $(EXECUTED)/08_preemption_and_resume.ipynb tests/test_optimizer.py \
-  $(EXECUTED)/02_accumulate_in_custom_loop.ipynb tests/test_no_merge_call.py tests/test_preemption.py \
-  tests/test_multi_worker_bench.py \
-  $(EXECUTED)/06_multi_worker.ipynb tests/test_non_finite.py tests/test_accumulator.py \
-  $(EXECUTED)/01_where_gradients_sync.ipynb tests/test_epoch_ends.py tests/test_mixed_precision.py \
-  tests/test_tf_keras_optimizer.py tests/test_pitfalls_loss_scale.py tests/test_multi_worker_fit.py \
-  tests/test_tf_keras_mixed_precision.py $(EXECUTED)/07_beyond_the_basics.ipynb \
+  tests/test_cluster.py tests/micro_batching/test_train_step.py tests/test_user_paths.py \
+  tests/test_fix_cells.py tests/backup_and_restore/test_backup_and_restore.py \
+  tests/backup_and_restore/test_backup_commit.py tests/backup_and_restore/test_backup_sigterm.py \
+  $(EXECUTED)/08_preemption_and_resume.ipynb tests/accumulating_optimizer/test_optimizer.py \
+  $(EXECUTED)/02_accumulate_in_custom_loop.ipynb \
+  tests/accumulating_optimizer/test_optimizer_no_merge_call.py tests/test_preemption.py \
+  tests/test_multi_worker_bench.py $(EXECUTED)/06_multi_worker.ipynb \
+  tests/accumulating_optimizer/test_optimizer_non_finite.py \
+  tests/gradient_accumulator/test_accumulator.py $(EXECUTED)/01_where_gradients_sync.ipynb \
+  tests/accumulation_callback/test_epoch_ends.py \
+  tests/all_replicas_finite_loss_scale_optimizer/test_mixed_precision.py \
+  tests/tf_keras_optimizer/test_tf_keras_optimizer.py tests/test_pitfalls_loss_scale.py \
+  tests/multi_worker_fit/test_multi_worker_fit.py \
+  tests/tf_keras_optimizer/test_tf_keras_mixed_precision.py $(EXECUTED)/07_beyond_the_basics.ipynb \
   tests/test_copy_alone.py tests/test_upstream_reports.py tests/test_local_cluster.py \
-  tests/test_beyond_the_basics.py tests/test_tf_keras_custom_loop.py tests/test_kubernetes.py \
-  tests/test_sync.py
+  tests/test_beyond_the_basics.py tests/tf_keras_optimizer/test_tf_keras_custom_loop.py \
+  tests/test_kubernetes.py tests/micro_batching/test_train_step_no_merge_call.py \
+  tests/micro_batching/test_train_step_non_finite.py \
+  tests/all_replicas_finite_loss_scale_optimizer/test_mixed_precision_no_merge_call.py \
+  tests/gradient_accumulator/test_accumulator_no_merge_call.py tests/test_sync.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort \
-  $(patsubst notebooks/%,$(EXECUTED)/%,$(wildcard notebooks/*.ipynb)) $(wildcard tests/test_*.py)))
+  $(patsubst notebooks/%,$(EXECUTED)/%,$(wildcard notebooks/*.ipynb)) $(wildcard tests/test_*.py) \
+  $(wildcard tests/*/test_*.py)))
 unit-and-lessons: install copy-lessons
 	$(LESSONS_PYTEST) --dist loadfile --no-loadscope-reorder --durations=25 $(TEST_FILES) ; echo $$? >> $(PYTEST_STATUS); test "$$(tail -n1 $(PYTEST_STATUS))" = 0
 

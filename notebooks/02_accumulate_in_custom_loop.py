@@ -352,12 +352,13 @@ draw_timeline({"the fix": applies, "stepping every micro-batch": list(range(step
 # %% [markdown]
 # ## 3 · The packaged form: `GradientAccumulator`
 #
-# The fix's buffers, plus what real models need (pinned in `tests/test_accumulator.py`):
-# a checkpointed micro-step counter, float32 buffers for float16 weights, `None`
-# gradients skipped, `tf.IndexedSlices` summed densely
+# The fix's buffers, plus what real models need (pinned in
+# `tests/gradient_accumulator/test_accumulator.py`): a checkpointed micro-step counter,
+# float32 buffers for float16 weights, `None` gradients skipped, `tf.IndexedSlices` summed
+# densely
 # ([what Adam does with them](07_beyond_the_basics.ipynb#deep-dive-sparse-gradients-the-same-gradient-two-adam-updates)),
-# errors for misuse. `add`
-# replaces the fix's `assign_add` loop, `make_apply_step(optimizer)` its apply:
+# errors for misuse. `add` replaces the fix's `assign_add` loop, `make_apply_step(optimizer)`
+# its apply:
 
 # %%
 with strategy.scope():
@@ -807,7 +808,7 @@ print(f"resumed vs uninterrupted: {resumed.max_abs:.1e}; vs 2 big-batch steps: {
 # `aggregation=SUM` is what makes this possible: with `aggregation=NONE` (OpenNMT-tf's
 # accumulator) the buffers can be neither read in cross-replica context nor saved on 2+
 # replicas. `GradientAccumulator` also checkpoints its micro-step counter, so the loop's
-# position is saved too (`tests/test_accumulator.py` pins all three).
+# position is saved too (`tests/gradient_accumulator/test_accumulator.py` pins all three).
 
 # %% [markdown]
 # ## Deep dive · Accumulating vs stepping every micro-batch

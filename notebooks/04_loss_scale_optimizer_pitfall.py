@@ -771,16 +771,16 @@ assert "is_mixed_precision = isinstance(" in legacy_file  # the question's train
 assert "loss = self.optimizer.get_scaled_loss(model_loss)" in legacy_file
 
 # %% [markdown]
-# `distgrad.tf_keras.AccumulatingOptimizer` answers the wrapper's `aggregate_gradients`
-# call by keeping the gradients replica-local (the gradient all-reduce comes once per
-# update; `tests/test_tf_keras_mixed_precision.py` counts the all-reduces) and sharing one
-# number instead: whether every replica's gradients are finite. If any is not, every
-# replica hands the wrapper a NaN, so the wrapper skips that micro-batch on every replica
-# and halves the scale once. The program below is the question's set-up in the fixed
+# `distgrad.tf_keras.AccumulatingOptimizer` answers the wrapper's `aggregate_gradients` call
+# by keeping the gradients replica-local (the gradient all-reduce comes once per update;
+# `tests/tf_keras_optimizer/test_tf_keras_mixed_precision.py` counts the all-reduces) and
+# sharing one number instead: whether every replica's gradients are finite. If any is not,
+# every replica hands the wrapper a NaN, so the wrapper skips that micro-batch on every
+# replica and halves the scale once. The program below is the question's set-up in the fixed
 # order, with the question's `train_step`. It is written to a file and run in a child
 # process (`run_tf_keras` sets `TF_USE_LEGACY_KERAS=1` before TensorFlow starts);
-# `distgrad_course.lab.tf_keras_fit` supplies the `fit` recipes and reads the counters after every
-# micro-batch.
+# `distgrad_course.lab.tf_keras_fit` supplies the `fit` recipes and reads the counters after
+# every micro-batch.
 
 # %%
 import tempfile
@@ -879,10 +879,10 @@ assert "self._optimizer.iterations.assign_add(1, read_value=False)" in legacy_so
 # the one flag), so the outlier on replica 1 is seen everywhere. Three counters, three
 # meanings: `total_micro_steps` counts the micro-batches accumulated, the inner SGD's
 # `iterations` its updates (what momentum, Adam and schedules see), and
-# `model.optimizer.iterations` adds the skipped step, as tf-keras' wrapper counts one
-# (its `do_not_apply_fn`, asserted above). `tests/test_tf_keras_mixed_precision.py` pins
-# the same with Adam, `OptimizerV2`, the stock `train_step` and a checkpoint taken
-# mid-cycle.
+# `model.optimizer.iterations` adds the skipped step, as tf-keras' wrapper counts one (its
+# `do_not_apply_fn`, asserted above).
+# `tests/tf_keras_optimizer/test_tf_keras_mixed_precision.py` pins the same with Adam,
+# `OptimizerV2`, the stock `train_step` and a checkpoint taken mid-cycle.
 
 # %% [markdown]
 # ## Takeaways

@@ -758,7 +758,7 @@ assert int(stock.optimizer.iterations.numpy()) == 1 and not stock_finite  # appl
 # replica 0 is skipped, the step still has one all-reduce, and `fit` ends with a warning
 # that counts the skip. (The packaged `MicroBatching` is right under Keras' own wrapper
 # too: it hands it a NaN gradient on every replica when any replica overflowed;
-# `tests/test_train_step.py` and `tests/test_user_paths.py` run it.)
+# `tests/micro_batching/test_train_step.py` and `tests/test_user_paths.py` run it.)
 
 # %%
 from distgrad.mixed_precision import AllReplicasFiniteLossScaleOptimizer

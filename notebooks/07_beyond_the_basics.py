@@ -485,11 +485,12 @@ assert clipping.schedule_accumulating_vs_big_batch.within()
 assert clipping.schedule_vs_constant_learning_rate.max_abs > 1e-2
 
 # %% [markdown]
-# Restarting is the last thing real training adds: the accumulation buffers are state, and
-# a checkpoint saved in the middle of an update continues exactly where it stopped. Lesson
-# 02 shows it for a custom loop's buffers ([lesson 02](02_accumulate_in_custom_loop.ipynb),
-# section *Checkpointing in the middle of an update*); `AccumulatingOptimizer`'s buffers
-# and counters are optimizer state, saved with the model (`tests/test_optimizer.py`).
+# Restarting is the last thing real training adds: the accumulation buffers are state, and a
+# checkpoint saved in the middle of an update continues exactly where it stopped. Lesson 02
+# shows it for a custom loop's buffers ([lesson 02](02_accumulate_in_custom_loop.ipynb),
+# section *Checkpointing in the middle of an update*); `AccumulatingOptimizer`'s buffers and
+# counters are optimizer state, saved with the model
+# (`tests/accumulating_optimizer/test_optimizer.py`).
 
 # %% [markdown]
 # ## Deep dive · All of it in one picture

@@ -241,27 +241,28 @@ assert plain.optimizer.iterations.numpy() == backup.BATCHES  # trained, shuffled
 #   seed, or one that reshuffles each iteration, is refused with `save_freq=n` and warned
 #   about with `save_freq="epoch"`; a Python generator's order cannot be checked: warned
 #   about. Without `fit`'s arguments the order is not checked (above).
-# * **Under a strategy, a resume reads the batches its backup holds, and drops them**: up
-#   to an epoch's reads before the first new step (section 2). TensorFlow 2.21 cannot
+# * **Under a strategy, a resume reads the batches its backup holds, and drops them**: up to
+#   an epoch's reads before the first new step (section 2). TensorFlow 2.21 cannot
 #   checkpoint the iterator of a distributed dataset (the custom-loop deep dive shows the
-#   error). With no strategy (one device) the iterator's state is saved with each backup
-#   and restored instead: none is read again (`tests/test_backup_iterator.py`).
+#   error). With no strategy (one device) the iterator's state is saved with each backup and
+#   restored instead: none is read again
+#   (`tests/backup_and_restore/test_backup_iterator.py`).
 # * **Random layers**: a `Dropout` layer's seed generator state is not among the weights
 #   `save_weights` writes, so the restart draws other masks
-#   (`tests/test_backup_and_restore.py::test_a_seeded_dropout_layer_does_not_resume_exactly`).
+#   (`tests/backup_and_restore/test_backup_and_restore.py::test_a_seeded_dropout_layer_does_not_resume_exactly`).
 #   Other callbacks' state (`ReduceLROnPlateau`, `EarlyStopping`) is not in the backup.
 # * **Several workers** need one directory all of them read (a shared file system or a
 #   bucket, not each host's disk: refused by name,
-#   `tests/test_backup_sigterm.py::test_two_workers_stopped_resume_exactly_on_one_and_refuse_workers_on_their_own_dirs`).
+#   `tests/backup_and_restore/test_backup_sigterm.py::test_two_workers_stopped_resume_exactly_on_one_and_refuse_workers_on_their_own_dirs`).
 #   Only the chief writes there.
 # * **Another number of workers or replicas at the restart** resumes exactly with the same
 #   global batch (the same test: 2 workers stopped, resumed on 1 process); with another
 #   global batch, or one unknown without `fit`'s arguments, it is refused, naming both
-#   (deep dive below; `tests/test_backup_identity.py`).
+#   (deep dive below; `tests/backup_and_restore/test_backup_identity.py`).
 # * **Object stores** (gs://, s3://), where a rename is a copy then a delete: each backup is
 #   committed by writing one small object last, so a kill at any moment leaves a whole
-#   backup (`tests/test_backup_commit.py` kills at every file operation of a backup, on 1
-#   and 2 workers; deep dive below).
+#   backup (`tests/backup_and_restore/test_backup_commit.py` kills at every file operation
+#   of a backup, on 1 and 2 workers; deep dive below).
 # * **After a `SIGKILL` or a crash, the batches since the last backup are lost** and
 #   trained again: choose `save_freq` by what a backup costs (deep dive below) against
 #   what a lost batch costs. A `SIGTERM` loses none.
@@ -569,13 +570,13 @@ print(f"{params} trainable weights; each accumulator has {R} copies on the devic
 # A process can die while it writes, and on object storage (gs://, s3://) a rename is a
 # copy followed by a delete: only the write of one object is atomic. So each backup writes
 # its weights under a new name, `ckpt-<n>.weights.h5`, then commits them by writing one
-# small object that names them, `training_metadata.json` (as `.tmp`, then renamed: atomic
-# on a local disk, one object copied in a bucket); only then is the previous backup's file
+# small object that names them, `training_metadata.json` (as `.tmp`, then renamed: atomic on
+# a local disk, one object copied in a bucket); only then is the previous backup's file
 # deleted. A restart reads that manifest and the file it names only: killed before the
 # commit, it finds the previous backup whole, after it the new one
-# (`tests/test_backup_commit.py` kills the process at every file operation of a backup, on
-# emulated object storage, on 1 and 2 workers). Here, the state a kill just before the
-# second backup's commit leaves, and the restart that reads it:
+# (`tests/backup_and_restore/test_backup_commit.py` kills the process at every file
+# operation of a backup, on emulated object storage, on 1 and 2 workers). Here, the state a
+# kill just before the second backup's commit leaves, and the restart that reads it:
 
 # %%
 between = os.path.join(work, "between")
@@ -646,12 +647,13 @@ print("resumed after batch 6: equal to the uninterrupted run")
 # %% [markdown]
 # On several workers, every worker must back up after the same batch: the backup is a
 # collective. Each step all-reduces, so no worker is more than one batch ahead of another:
-# the worker that got the signal picks the batch after the one it finished and publishes
-# it in the coordination service's key-value store, as `PreemptionCheckpointHandler`
-# does; every worker's watcher thread acknowledges it before that batch can end. Between
-# signals the handler costs a look at a flag per batch (`benchmarks/sigterm_cost.py`).
-# `tests/test_backup_sigterm.py` signals one worker of two: both back up after the same
-# batch, both exit with 42, and the restarted cluster equals the uninterrupted run.
+# the worker that got the signal picks the batch after the one it finished and publishes it
+# in the coordination service's key-value store, as `PreemptionCheckpointHandler` does;
+# every worker's watcher thread acknowledges it before that batch can end. Between signals
+# the handler costs a look at a flag per batch (`benchmarks/sigterm_cost.py`).
+# `tests/backup_and_restore/test_backup_sigterm.py` signals one worker of two: both back up
+# after the same batch, both exit with 42, and the restarted cluster equals the
+# uninterrupted run.
 
 # %% [markdown]
 # ## Deep dive · A restart on fewer replicas or workers
@@ -685,7 +687,7 @@ backup.assert_same_run(backup.one_fit(one_replica, smaller, save_freq=1), uninte
 print(f"stopped on {R} replicas, resumed on 1 with the same global batch: equal")
 
 # %% [markdown]
-# The same holds for workers: `tests/test_backup_sigterm.py::
+# The same holds for workers: `tests/backup_and_restore/test_backup_sigterm.py::
 # test_two_workers_stopped_resume_exactly_on_one_and_refuse_workers_on_their_own_dirs` stops
 # two workers with a `SIGTERM` and resumes them exactly in one process on one replica.
 

@@ -75,3 +75,12 @@ def strategy1():
 @pytest.fixture(params=[1, 2], ids=["R1", "R2"])
 def strategy(request):
     return _strategy(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=["R1", "R2"])
+def no_merge_call(request):
+    """TensorFlow's no-merge-call path (XLA on GPUs) on CPUs: the no-merge-call specs of
+    AccumulatingOptimizer, GradientAccumulator and MicroBatching run on it."""
+    from distgrad_course.lab.xla_path import no_merge_call_strategy
+
+    return no_merge_call_strategy(request.param)

@@ -207,8 +207,9 @@ def test_all_reduces_per_update_in_the_compiled_step(strategy):
     physical = len(tf.config.list_physical_devices("GPU"))
     _record("all_reduces_per_update", graph_sizes=sizes, nccl_kernels=dict(nccl),
             physical_gpus=physical, replicas=strategy.num_replicas_in_sync)
-    # As in the CPU simulation (tests/test_no_merge_call.py): every gradient element in one
-    # packed all-reduce, and the replicas' finiteness flags in one of one element.
+    # As in the CPU simulation (tests/accumulating_optimizer/test_optimizer_no_merge_call.py):
+    # every gradient element in one packed all-reduce, and the replicas' finiteness flags in
+    # one of one element.
     parameters = sum(int(v.shape.num_elements()) for v in run.model.trainable_variables)
     assert sizes == [parameters, 1]
     if physical >= strategy.num_replicas_in_sync:  # physical GPUs: MirroredStrategy's NCCL

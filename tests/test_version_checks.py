@@ -137,7 +137,7 @@ def test_fit_on_plain_tf_keras_2_15_equals_one_big_batch_step():
 def test_fit_under_mixed_float16_on_plain_tf_keras_2_15_equals_the_mixed_big_batch():
     from distgrad_course.lab.mixed import check_float16_close, overflow_data
 
-    micro_batches, overflow = 7, 3  # as tests/test_tf_keras_mixed_precision.py
+    micro_batches, overflow = 7, 3  # as tests/tf_keras_optimizer/test_tf_keras_mixed_precision.py
     x, y = overflow_data(micro_batches - 1, MICRO_BATCH, None, REPLICAS)
     x7, y7 = overflow_data(micro_batches, MICRO_BATCH, overflow, REPLICAS,
                            overflow_replicas=(1,))

@@ -6,7 +6,8 @@ TensorFlow minor with Keras 3, each in its own virtual environment, and on the n
     python3 version_matrix.py --tf 2.18  # the cells of one TensorFlow minor, again
     python3 version_matrix.py --tf 2.15  # the Keras 2 cell (tf.keras is Keras 2), again
     python3 version_matrix.py --nightly  # the nightly cell (= --cell nightly), again
-    python3 version_matrix.py --cell nightly --only tests/test_optimizer.py  # part of it
+    python3 version_matrix.py --cell nightly \
+        --only tests/accumulating_optimizer/test_optimizer.py  # part of it
     python3 version_matrix.py --tables   # only re-render the tables from matrix.json
 
 A cell is one environment under build/matrix/CELL/env: `tensorflow==2.NN.*`, the Keras 3
@@ -75,10 +76,12 @@ OWN_FILES = tuple(f"src/course/distgrad_course/{name}.py"
                   for name in ("version_matrix", "matrix_results", "matrix_tables"))
 TF_MINORS = ("2.16", "2.17", "2.18", "2.19", "2.20", "2.21")
 KERAS_2_TF = "2.15"  # the last TensorFlow whose tf.keras is Keras 2
-KERAS_2_TESTS = ("tests/test_tf_keras_optimizer.py", "tests/test_tf_keras_mixed_precision.py",
-                 "tests/test_tf_keras_custom_loop.py", "tests/test_tf_keras_runner.py",
-                 "tests/test_version_checks.py", "tests/test_copy_alone.py",
-                 "tests/test_user_paths.py", "tests/test_recipes.py", UPSTREAM_TESTS)
+KERAS_2_TESTS = ("tests/tf_keras_optimizer/test_tf_keras_optimizer.py",
+                 "tests/tf_keras_optimizer/test_tf_keras_mixed_precision.py",
+                 "tests/tf_keras_optimizer/test_tf_keras_custom_loop.py",
+                 "tests/test_tf_keras_runner.py", "tests/test_version_checks.py",
+                 "tests/test_copy_alone.py", "tests/test_user_paths.py", "tests/test_recipes.py",
+                 UPSTREAM_TESTS)
 # pytest -k: whole files for the tf-keras ones and test_version_checks.py (whose Keras 3
 # tests skip themselves), else the tests named for tf-keras: the tf-keras recipes' runs,
 # the reports' tf-keras runs, the copied tf-keras file, the tf-keras user path.
@@ -116,7 +119,8 @@ def cells() -> list[dict]:
 
 
 def test_files() -> list[str]:
-    return [f"tests/{p.name}" for p in sorted((ROOT / "tests").glob("test_*.py"))
+    """tests/test_*.py and the reference classes' specs in tests/<class>/test_*.py."""
+    return [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "tests").rglob("test_*.py"))
             if p.name not in NOT_REFERENCE]
 
 

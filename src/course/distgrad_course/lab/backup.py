@@ -1,8 +1,9 @@
 """Interrupt a `model.fit`, run it again with a backup callback, compare with no interruption.
 
-Lesson 08 and `tests/test_backup_and_restore.py` use these. A run is one `fit` of a fresh
-seeded model over a `tf.data` pipeline of `EPOCHS` epochs of `BATCHES` batches, with a
-backup callback (`keras.callbacks.BackupAndRestore` or distgrad's) in `backup_dir`:
+Lesson 08 and `tests/backup_and_restore/test_backup_and_restore.py` use these. A run is one
+`fit` of a fresh seeded model over a `tf.data` pipeline of `EPOCHS` epochs of `BATCHES`
+batches, with a backup callback (`keras.callbacks.BackupAndRestore` or distgrad's) in
+`backup_dir`:
 
 * `interrupted_fit(...)`: the first `fit` stops after `cut` batches (counted across
   epochs) with `Preempted`, raised from `on_train_batch_end`; a fresh model then runs

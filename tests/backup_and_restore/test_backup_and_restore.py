@@ -3,7 +3,8 @@ never interrupted; Keras 3's own callback replays the interrupted epoch.
 
 Lesson 08 runs (and asserts) what is not repeated here: the restart of a 2-worker cluster
 after a SIGKILL, the bytes a mid-cycle backup holds, tf-keras' resume on other batches.
-`tests/test_backup_commit.py` kills the process at every file operation of a backup.
+`tests/backup_and_restore/test_backup_commit.py` kills the process at every file operation
+of a backup.
 
 The runs (`distgrad_course.lab.backup`): 2 epochs of 8 global batches of 8 examples, a `tf.data`
 pipeline, 2 replicas (`MirroredStrategy` on logical CPUs, or 2 worker processes);

@@ -15,7 +15,7 @@ from distgrad_course.lab.compare import check_close, check_not_close
 from distgrad_course.lab.data import regression_data
 from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
+TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}  # tests/
 REPLICAS, MICRO_BATCH, K, UPDATES = 2, 8, 3, 2
 INNER = ("momentum", "adam", "legacy momentum", "legacy adam")
 

@@ -12,7 +12,7 @@ from distgrad_course.lab.compare import check_close
 from distgrad_course.lab.data import regression_data
 from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
+TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}  # tests/
 REPLICAS, MICRO_BATCH, K, UPDATES = 2, 8, 4, 2
 
 

@@ -13,7 +13,7 @@ from distgrad_course.lab.compare import check_close
 from distgrad_course.lab.mixed import check_float16_close, overflow_data
 from distgrad_course.lab.tf_keras_runner import run_tf_keras
 
-TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
+TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}  # tests/
 REPLICAS, MICRO_BATCH, K, MICRO_BATCHES, OVERFLOW = 2, 8, 2, 7, 3
 SCALE = 2.0**10  # below the default 2**15, so that the only overflow is the injected one
 BIG_BATCH_PER_REPLICA = K * MICRO_BATCH // REPLICAS  # examples summed in float16

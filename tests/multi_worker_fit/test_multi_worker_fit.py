@@ -22,7 +22,7 @@ from distgrad_course.lab.data import regression_data, tiny_model
 from distgrad_course.lab.local_cluster import run_workers
 from distgrad_course.lab.recipes import fit_run
 
-TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(__file__)}
+TESTS_ON_PATH = {"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}  # tests/
 PER_REPLICA = "(<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor"
 
 # (name, run): what each entry of the one cluster trains, see fit_on_mwms.
