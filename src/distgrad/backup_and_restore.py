@@ -77,6 +77,16 @@ class BackupAndRestore(keras.callbacks.Callback):
     exactly with the same global batch (replica-local sums are restored as SUM / R);
     anything else that differs is refused by name.
 
+    Example:
+
+    ```python
+    model = ResumableFitModel(inputs, outputs)  # its fit tells the callback its data
+    model.compile(optimizer=AccumulatingOptimizer(keras.optimizers.Adam(), 4), loss="mse")
+    # Run the same line again after a preemption: it resumes at the batch it stopped at.
+    model.fit(dataset.batch(32), epochs=10,
+              callbacks=[BackupAndRestore("gs://bucket/run", save_freq=100)])
+    ```
+
     Raises:
         ValueError: a bad argument; (at `fit` start) data whose order cannot repeat, with
             `save_freq=n`; a backup of another run, setup or data; workers that read

@@ -58,6 +58,14 @@ class AccumulationCallback(keras.callbacks.Callback):
     weights before a flush. List this callback before a `ModelCheckpoint` that should
     save the flushed weights.
 
+    Example:
+
+    ```python
+    history = model.fit(dataset.batch(32), epochs=3,  # 10 batches an epoch, k = 4
+                        callbacks=[AccumulationCallback("flush")])
+    history.history["skipped_updates"]  # one count per epoch
+    ```
+
     Raises:
         ValueError: `incomplete_cycle` is not one of "carry", "flush", "discard";
             (at `on_train_begin`) the model's optimizer has no `flush` / `discard`.

@@ -136,6 +136,16 @@ class MultiWorkerFit:
           worker. Gradients and updates are Keras' (the optimizer's all-reduce): each
           step equals one step of one device on the global batch.
 
+    Example:
+
+    ```python
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # TF_CONFIG names the workers
+    with strategy.scope():
+        model = MultiWorkerFitModel(inputs, outputs)  # MultiWorkerFit + keras.Model
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(dataset.batch(GLOBAL_BATCH), epochs=3)  # the same logs on every worker
+    ```
+
     Raises (from `fit` / `evaluate` on a multi-worker MWMS):
         TypeError, ValueError: (before anything runs) input that would not be split into
             equal per-replica batches (`check_multi_worker_input`), for `x` and

@@ -60,8 +60,20 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     `LossScaleOptimizer` on one replica, `skipped_micro_batches` (both warned of at the end
     of `fit`); `iterations` is the inner optimizer's (updates).
 
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=AccumulatingOptimizer(keras.optimizers.Adam(1e-3),
+                                                      accumulation_steps=4), loss="mse")
+    # Each update: 4 batches of 32, the mean gradient of 128 examples.
+    model.fit(dataset.batch(32), epochs=3, callbacks=[AccumulationCallback("flush")])
+    ```
+
     Raises:
-        ValueError: bad arguments, or a step it cannot run (see "What it refuses" below);
+        ValueError: bad arguments, or a step it cannot run (this file's section "What
+            AccumulatingOptimizer refuses");
             Keras' own `LossScaleOptimizer` around it on 2+ replicas; "raise" under XLA.
         TypeError: `inner_optimizer` is not a Keras 3 optimizer.
         RuntimeError: (`build` / `apply`) not all under the same distribution strategy.

@@ -97,6 +97,21 @@ class AccumulatingOptimizer(keras.optimizers.Optimizer):
     that skipped updates or micro-batches ends with a `UserWarning` that counts them.
     `import distgrad` registers this class with tf-keras.
 
+    Example:
+
+    ```python
+    import os
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported
+    import tensorflow as tf
+    from distgrad.tf_keras import AccumulatingOptimizer
+
+    with strategy.scope():
+        model = make_model()  # a tf.keras model
+        model.compile(optimizer=AccumulatingOptimizer(tf.keras.optimizers.Adam(1e-3), 4),
+                      loss="mse")
+    model.fit(dataset.batch(32), epochs=3)  # one update per 4 batches
+    ```
+
     Raises:
         ValueError: bad `accumulation_steps` / `non_finite`; clipping or other options
             given to the wrapper; `skip_gradients_aggregation=True` (it all-reduces once
