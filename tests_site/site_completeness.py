@@ -260,7 +260,8 @@ def built_api_problems(root: Path, api_html: str, package: str = PACKAGE) -> lis
 
 
 def built_api_class_problems(api_html: str, names) -> list[str]:
-    """The built API page has a class heading (`doc-class-name`) for each class."""
+    """The built API page has a class heading (mkdocstrings' `doc-symbol-class` badge, as
+    `show_symbol_type_heading` renders it) for each class."""
     headings = doc_headings(api_html)
     return [
         f"the built API page has no class heading for {name}"
@@ -268,7 +269,7 @@ def built_api_class_problems(api_html: str, names) -> list[str]:
         if not any(
             heading_id.startswith(f"{PACKAGE}.")
             and heading_id.endswith(f".{name}")
-            and "doc-class-name" in inner
+            and "doc-symbol-class" in inner
             for heading_id, inner in headings.items()
         )
     ]

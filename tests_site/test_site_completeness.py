@@ -194,19 +194,22 @@ def test_api_class_check_needs_each_class_listed(tree):
     ]
 
 
-# mkdocstrings-python's markup (checked against a build with the installed version).
+# mkdocstrings-python's markup (checked against a build with the installed version, with
+# mkdocs.yml's `show_symbol_type_heading` and `separate_signature: false`).
 CLASS_HEADING = (
     '<h3 id="distgrad.optimizer.AccumulatingOptimizer" class="doc doc-heading">\n'
-    '<span class="doc doc-object-name doc-class-name">distgrad.optimizer.AccumulatingOptimizer'
-    "</span>\n</h3>"
+    '<code class="doc-symbol doc-symbol-heading doc-symbol-class"></code>'
+    '<code class="highlight language-python"><span class="n">distgrad</span></code>\n</h3>'
 )
 METHOD_HEADING = (
     '<h4 id="distgrad.accumulator.GradientAccumulator.add" class="doc doc-heading">\n'
-    '<span class="doc doc-object-name doc-function-name">add</span>\n</h4>'
+    '<code class="doc-symbol doc-symbol-heading doc-symbol-method"></code>'
+    '<code class="highlight language-python"><span class="n">add</span></code>\n</h4>'
 )
 MODULE_HEADING = (
     '<h3 id="distgrad_course.devices" class="doc doc-heading">\n'
-    '<span class="doc doc-object-name doc-module-name">distgrad_course.devices</span>\n</h3>'
+    '<code class="doc-symbol doc-symbol-heading doc-symbol-module"></code>'
+    '<code>distgrad_course.devices</code>\n</h3>'
 )
 
 

@@ -65,10 +65,9 @@ class GradientAccumulator(tf.Module):
 
     Your loop decides when to apply: per micro-batch, inside `strategy.run`, call
     `add(tape.gradient(loss, variables))`; once per update call the function
-    `make_apply_step(optimizer)` returns. The optimizer's SUM all-reduce is the only sync
-    of an update. Divide each micro-batch loss by the global batch of the whole update
-    (`micro_batch_per_replica * replicas * k`): the k * R summed gradients are then the
-    big batch's mean gradient.
+    `make_apply_step(optimizer)` returns. Divide each micro-batch loss by the global batch
+    of the whole update (`micro_batch_per_replica * replicas * k`): the k * R summed
+    gradients are then the big batch's mean gradient.
 
     Args:
         variables: the variables to accumulate gradients for (usually
@@ -241,10 +240,9 @@ class GradientAccumulator(tf.Module):
         self.micro_step_counter.assign(0)
 
     def apply_gradients(self, optimizer) -> None:
-        """Replica context: apply this replica's sums with `optimizer`, then reset.
-
-        The optimizer's SUM all-reduce is the update's one sync (plus one of one element,
-        the finiteness flags, for "raise" on 2+ replicas without merge_call)."""
+        """Replica context: apply this replica's sums with `optimizer`, then reset. The
+        optimizer's SUM all-reduce is the update's one sync (and, for "raise" on 2+
+        replicas without merge_call, one of the finiteness flags)."""
         self._require_replica_context("apply_gradients")
         check = tf.debugging.assert_positive(
             self.micro_step_counter,
@@ -277,14 +275,10 @@ class GradientAccumulator(tf.Module):
                 on_skip)
 
     def make_apply_step(self, optimizer):
-        """A Python callable that applies once per call: `apply_step()`.
-
-        It builds `optimizer` under the strategy scope first (slots created inside the
-        traced function fail under MirroredStrategy). `apply_step.function` is the
-        `tf.function`. It raises ValueError when no micro-step was accumulated or the
-        optimizer was created outside the strategy scope, and warns (`UserWarning`) when
-        a call skipped a non-finite update.
-        """
+        """`apply_step()`, which applies once per call (`apply_step.function` is its
+        `tf.function`), after building `optimizer` under the strategy scope. ValueError:
+        nothing accumulated, or an optimizer created outside the strategy scope; a call
+        that skipped a non-finite update warns (`UserWarning`)."""
         owner = getattr(optimizer, "_distribution_strategy", self._strategy)
         if owner is not self._strategy:
             raise ValueError(
