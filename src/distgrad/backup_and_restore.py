@@ -82,7 +82,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     ```python
     model = ResumableFitModel(inputs, outputs)  # its fit tells the callback its data
     model.compile(optimizer=AccumulatingOptimizer(keras.optimizers.Adam(), 4), loss="mse")
-    # Run the same line again after a preemption: it resumes at the batch it stopped at.
+    # Run the same line again after a preemption: it resumes from the last backup (after
+    # a SIGTERM, the one taken as the running batch finished: no batch is lost).
     model.fit(dataset.batch(32), epochs=10,
               callbacks=[BackupAndRestore("gs://bucket/run", save_freq=100)])
     ```

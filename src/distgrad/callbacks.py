@@ -61,7 +61,8 @@ class AccumulationCallback(keras.callbacks.Callback):
     Example:
 
     ```python
-    history = model.fit(dataset.batch(32), epochs=3,  # 10 batches an epoch, k = 4
+    # k = 4 and 10 batches an epoch: each epoch ends with 2 batches, applied as an update.
+    history = model.fit(dataset.batch(32), epochs=3,
                         callbacks=[AccumulationCallback("flush")])
     history.history["skipped_updates"]  # one count per epoch
     ```

@@ -143,7 +143,8 @@ class MultiWorkerFit:
     with strategy.scope():
         model = MultiWorkerFitModel(inputs, outputs)  # MultiWorkerFit + keras.Model
         model.compile(optimizer="adam", loss="mse")
-    model.fit(dataset.batch(GLOBAL_BATCH), epochs=3)  # the same logs on every worker
+    # A static global batch that splits equally (check_multi_worker_input refuses others):
+    model.fit(dataset.batch(GLOBAL_BATCH, drop_remainder=True), epochs=3)
     ```
 
     Raises (from `fit` / `evaluate` on a multi-worker MWMS):
