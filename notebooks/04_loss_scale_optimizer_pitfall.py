@@ -924,7 +924,7 @@ assert at_cycle_end.accumulator_states == ("finite",) * 3 + ("nan",) * 3
 # #### Answer
 #
 # Four updates; the ninth micro-batch waits in the accumulators (`micro_steps` is 1) for
-# the next epoch's first. The check fails at its first line: `iterations` is 4, not 5.
+# the next epoch's first. The check fails at its first assertion: `iterations` is 4, not 5.
 # The weights are those of the first 4 big-batch steps, up to float16 rounding: the fifth,
 # the open cycle's, is missing.
 
@@ -939,7 +939,9 @@ with mixed.mixed_precision_policy("mixed_float16"), strategy.scope():
 accumulating = carried.optimizer.inner_optimizer
 counters = accumulating.iterations.numpy(), accumulating.micro_steps.numpy()
 print("updates: {}, micro_steps: {}".format(*counters))
-assert counters == (4, 1)  # the check's first line wants 5 updates
+assert counters == (4, 1)
+checked = carried.optimizer.iterations.numpy(), carried.optimizer.skipped_steps.numpy()
+assert checked == (4, 0)  # what the check's first assertion reads: it wants (5, 0)
 with mixed.mixed_precision_policy("mixed_float16"):  # the check's reference, 4 steps only
     four_steps = keras.models.clone_model(model)
     four_steps.set_weights(initial_weights)

@@ -9,7 +9,6 @@ import textwrap
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import distgrad
@@ -61,11 +60,4 @@ def test_the_backup_and_restore_example_runs_with_a_local_directory(tmp_path):
     run = names(tf.distribute.get_strategy())
     exec(code.replace('"gs://bucket/run"', repr(str(tmp_path / "run"))), run)
     assert run["model"].optimizer.iterations.numpy() == 10 * BATCHES // K  # carried on
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
-
-
-@pytest.mark.parametrize("cls", [optimizer.AccumulatingOptimizer,
-                                 callbacks.AccumulationCallback,
-                                 backup_and_restore.BackupAndRestore])
-def test_each_example_is_one_python_block(cls):
-    compile(example(cls), cls.__name__, "exec")
+    assert not (tmp_path / "run").exists()  # delete_checkpoint: gone after a whole fit
