@@ -30,4 +30,9 @@ except Exception as err:  # what the waiting worker sees is the result
     error = f"{type(err).__name__}: {str(err)[:300]}"
 print("RESULT " + json.dumps({"task": task, "first": first, "value": value, "error": error,
                               "seconds": round(time.monotonic() - start, 1)}), flush=True)
+if task == 1:
+    # Worker 1 may finish the all-reduce before worker 0 has received its last part; exiting
+    # then closes the socket worker 0 reads ("Socket closed"). The test kills it once
+    # worker 0 has reported.
+    time.sleep(600)
 os._exit(0)  # not the coordination service's shutdown barrier: the peer may be gone

@@ -5,6 +5,8 @@ import ast
 import json
 import os
 import resource
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -181,6 +183,35 @@ def test_the_fork_server_runs_any_module_as_python_dash_m_would(tmp_path):
     assert (seen["cwd"], seen["path0"]) == (os.getcwd(), os.getcwd())
     assert "message-0815" in outcomes["message"][2]
     assert "Traceback" in outcomes["raise"][2] and "marker-4711" in outcomes["raise"][2]
+
+
+def test_the_fork_server_runs_a_script_as_python_script_would(tmp_path):
+    # fork_server.start_script (tests/script_runs.py) against a fresh `python SCRIPT`: the
+    # same __name__, sys.argv, directory, sys.path[0], standard output and exit statuses.
+    (tmp_path / "fork_probe.py").write_text(PROBE + 'print("stdout-1234")\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    runs = {}
+    for forked in (True, False):
+        for mode, extra in (("return", []), ("exit", ["3"]), ("raise", [])):
+            out, err = work / f"{mode}.out", work / f"{mode}.err"
+            args = [f"{mode}.json", mode, *extra]
+            if forked:
+                process = fork_server.start_script("../fork_probe.py", args, env, str(work),
+                                                   str(out), str(err))
+            else:
+                with out.open("w") as stdout, err.open("w") as stderr:
+                    process = subprocess.Popen([sys.executable, "../fork_probe.py", *args],
+                                               cwd=work, env=env, stdout=stdout, stderr=stderr)
+            runs[forked, mode] = (process.wait(timeout=120),
+                                  json.loads((work / f"{mode}.json").read_text()),
+                                  out.read_text(), "marker-4711" in err.read_text())
+    assert runs[True, "return"][1]["path0"] == str(tmp_path)  # the script's folder
+    assert {key: run for key, run in runs.items() if key[0]} == {
+        (True, mode): run for (_, mode), run in runs.items() if not _}
+    assert [runs[True, mode][0] for mode in ("return", "exit", "raise")] == [0, 3, 1]
+    assert runs[True, "return"][2] == "stdout-1234\n" and runs[True, "raise"][3]
 
 
 def test_the_child_log_gets_one_line_at_start_and_one_at_result(tmp_path, monkeypatch):

@@ -21,9 +21,11 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import script_runs
 import yaml
 
 from distgrad_course.lab.local_cluster import free_ports, tf_config
@@ -117,32 +119,31 @@ def test_the_stock_resolver_runs_nvidia_smi_by_default(monkeypatch):
 def test_alone_it_trains_equal_to_one_device_and_warns_of_a_backup_near_the_timeout(tmp_path):
     # Alone, no collective timeout applies; the warning compares the backups with the
     # one given (here 1 ms: every backup takes longer).
-    result = subprocess.run(
-        [sys.executable, str(TRAIN), "--check", "--epochs", "1", "--backup-dir",
-         str(tmp_path / "backup"), "--collective-timeout", "0.001"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    code, stdout, stderr = script_runs.run(
+        TRAIN, ["--check", "--epochs", "1", "--backup-dir", tmp_path / "backup",
+                "--collective-timeout", "0.001"], _env(), tmp_path, 240)
+    assert code == 0, stdout + stderr[-3000:]
+    lines = stdout.splitlines()
     assert "collective timeout none (one machine)" in lines[0]
     assert lines[-1].startswith(PASSED)
-    assert "over half the collective timeout (0.001 s): raise --collective-timeout" in \
-        result.stdout
+    assert "over half the collective timeout (0.001 s): raise --collective-timeout" in stdout
 
 
 # ------------------------------------------------------------- two workers, TF_CONFIG
 
 
 def run_workers(args: list[str], tmp_path: Path, timeout_s: float = 240) -> list:
+    """(exit status, stdout, stderr) of each of two workers of `train.py ARGS`."""
     ports = free_ports(2)
-    processes = [subprocess.Popen(
-        [sys.executable, str(TRAIN), *args], cwd=tmp_path, text=True,
-        env=_env(TF_CONFIG=tf_config(ports, index)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for index in range(2)]
+    files = [(tmp_path / f"worker{i}.out", tmp_path / f"worker{i}.err") for i in range(2)]
+    processes = [script_runs.start(TRAIN, args, _env(TF_CONFIG=tf_config(ports, index)),
+                                   tmp_path, *files[index]) for index in range(2)]
     try:
-        return [(p.wait(timeout_s), *p.communicate()) for p in processes]
+        return [(p.wait(timeout_s), out.read_text(), err.read_text())
+                for p, (out, err) in zip(processes, files, strict=True)]
     finally:
         for p in processes:
-            p.kill()
+            script_runs.kill(p)
 
 
 def scalars(logdir: Path) -> dict:
@@ -219,19 +220,22 @@ def test_the_coordination_service_runs_in_worker_0():
 
 
 def peer_experiment(fault: str, timeout_s: float, stuck_s: float = 0.0) -> dict:
+    """Worker 0's RESULT of two `cluster_peer.py FAULT TIMEOUT_S STUCK_S` workers."""
     ports = free_ports(2)
-    processes = [subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("cluster_peer.py")), fault,
-         str(timeout_s), str(stuck_s)], env=_env(TF_CONFIG=tf_config(ports, index)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in range(2)]
-    try:
-        out, err = processes[0].communicate(timeout=180)
-    finally:
-        for p in processes:
-            p.kill()
-            p.wait()
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, err[-3000:]
+    with tempfile.TemporaryDirectory() as folder:
+        files = [(Path(folder) / f"{i}.out", Path(folder) / f"{i}.err") for i in range(2)]
+        processes = [script_runs.start(
+            Path(__file__).with_name("cluster_peer.py"), [fault, timeout_s, stuck_s],
+            _env(TF_CONFIG=tf_config(ports, index)), folder, *files[index])
+            for index in range(2)]
+        try:
+            processes[0].wait(180)
+        finally:
+            for p in processes:
+                script_runs.kill(p)
+        (out, err), _ = files
+        lines = [line for line in out.read_text().splitlines() if line.startswith("RESULT ")]
+        assert len(lines) == 1, err.read_text()[-3000:]
     return json.loads(lines[0][len("RESULT "):])
 
 

@@ -2,8 +2,10 @@
 
 A lesson's core shows the fix as one code cell tagged `fix` (jupytext: `# %% tags=["fix"]`)
 and, right after it, a one-device check of at most 10 lines tagged `check`. A reader pastes
-both into a file and runs it: so does this test, in a fresh interpreter, in an empty
-folder, with nothing of the notebook around it (no earlier cell, no `distgrad_course.lab`).
+both into a file and runs it: so does this test, as `python pasted.py` in an empty folder,
+with nothing of the notebook around it (no earlier cell, no `distgrad_course.lab`). The
+process is forked from a server that has imported TensorFlow and started no runtime
+(`distgrad_course.lab.fork_server`); `DISTGRAD_FORK_SERVER=0` makes it a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
-import subprocess
 import sys
 
 import jupytext
 import pytest
+import script_runs
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
@@ -80,16 +82,8 @@ def test_the_fix_and_its_check_run_pasted_into_a_new_file(source, tmp_path):
     cleared = ("TF_CONFIG", "TF_USE_LEGACY_KERAS", "DISTGRAD_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(cleared)}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    done = subprocess.run(
-        [sys.executable, script.name],
-        check=False,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert done.returncode == 0 and "the pasted fix ran" in done.stdout, (
+    code, stdout, stderr = script_runs.run(script.name, [], env, tmp_path, TIMEOUT_S)
+    assert code == 0 and "the pasted fix ran" in stdout, (
         f"{source.name}'s fix + check, pasted into a new file, failed:\n"
-        f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        f"{stdout[-3000:]}\n{stderr[-3000:]}"
     )

@@ -16,8 +16,8 @@ recipe's **Floor** line, the table of what each recipe does with the epoch's lef
 micro-batches (against its code, its check and lesson 02's fix), and the Keras 2 -> Keras 3
 loss-scale table (Keras 3 here; tf-keras in a `run_tf_keras` child, `recipes_children.py`).
 
-Each command cell is one test (pytest-xdist spreads them): the recipe runs in a fresh
-interpreter (`sys.executable`, tf-keras ones with `TF_USE_LEGACY_KERAS=1`), one process on
+Each command cell is one test (pytest-xdist spreads them): the recipe runs as `python
+NAME.py` would, in a process of its own (tf-keras ones with `TF_USE_LEGACY_KERAS=1`), one on
 this machine's devices (two logical CPUs without GPUs), or two local worker processes with
 their `TF_CONFIG` (each its own GPUs, or the CPU only). It passes when every process exits
 0 and prints `recipe check passed` last: the script asserted that its weights equal
@@ -25,6 +25,11 @@ big-batch training on one device (float32 to 1e-6; mixed_float16, against the sa
 big batch, up to the float16 bound of its updates, 2n·2⁻¹¹/(1 − n·2⁻¹¹)). The outlier
 test runs the Keras 3 recipes with mixed_float16 on two workers and an overflow on one
 worker only: both skip together (it used to hang both).
+
+Each process runs as `tests/script_runs.py` starts it: forked from a server that imported
+TensorFlow with the process's own environment and started no runtime, the script then run
+as `__main__` with its own `sys.argv`, `sys.path`, directory, devices and `TF_CONFIG` (48
+processes, 3 s of CPU less each); `DISTGRAD_FORK_SERVER=0` makes each a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -33,14 +38,12 @@ import itertools
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import script_runs
 
 from distgrad_course.lab.local_cluster import free_ports, visible_gpus, worker_devices
 
@@ -160,11 +163,10 @@ def test_the_launch_block_gives_each_of_two_workers_its_tf_config():
 
 
 def start(script: Path, args: list, env: dict, name: str) -> tuple:
-    out = open(script.with_name(f"{name}.out"), "w+")  # read after the run
-    err = open(script.with_name(f"{name}.err"), "w+")
-    process = subprocess.Popen([sys.executable, script.name, *args], cwd=script.parent,
-                               env=env, stdout=out, stderr=err, start_new_session=True)
-    return process, out, err
+    """`python SCRIPT ARGS` in the script's folder (`script_runs`), its output in files
+    read after the run."""
+    out, err = script.with_name(f"{name}.out"), script.with_name(f"{name}.err")
+    return script_runs.start(script.name, args, env, script.parent, out, err), out, err
 
 
 def finish(processes: list) -> list[tuple]:
@@ -175,17 +177,9 @@ def finish(processes: list) -> list[tuple]:
         time.sleep(0.2)
     results = []
     for process, out, err in processes:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            code = None
-        else:
-            code = process.returncode
-        out.seek(0)
-        err.seek(0)
-        results.append((Path(out.name).stem, code, out.read(), err.read()))
-        out.close()
-        err.close()
+        code = process.poll()
+        script_runs.kill(process)
+        results.append((out.stem, code, out.read_text(), err.read_text()))
     return results
 
 

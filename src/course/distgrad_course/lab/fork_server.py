@@ -5,8 +5,9 @@ most experiments that need a process of their own. A fork server pays it once: i
 imports them (its environment decides what the import sees), creates no runtime, and
 forks one child per request. A request names a module and its arguments, and the child
 runs it as `python -m MODULE ARGV...` would (`runpy.run_module` as `__main__`, with that
-`sys.argv`, session, standard files, directory, environment and `sys.path`); this module
-knows nothing of what the module does. Each child starts its TensorFlow runtime itself,
+`sys.argv`, session, standard files, directory, environment and `sys.path`), or a script,
+as `python SCRIPT ARGV...` would (`runpy.run_path`, `start_script`); this module knows
+nothing of what they do. Each child starts its TensorFlow runtime itself,
 so it gets its own devices, `TF_CONFIG` and logical-device setup, as a new interpreter
 would; what it shares with the server is what importing TensorFlow and Keras did
 (NumPy's global generator is reseeded in the child). The child ends with `os._exit`:
@@ -169,17 +170,28 @@ _lock = threading.Lock()
 def start(module: str, argv: list[str], env: dict, stderr_path: str) -> ForkedProcess:
     """Fork a child that runs `python -m module *argv` with `env`, from a matching server
     (started on first use), its stderr appended to `stderr_path`, stdout discarded."""
-    base = server_env(env)
+    return _start({"module": module, "argv": list(argv), "env": env, "cwd": os.getcwd(),
+                   "stderr": stderr_path}, ["-m", module, *argv])
+
+
+def start_script(script: str, argv: list[str], env: dict, cwd: str, stdout_path: str,
+                 stderr_path: str) -> ForkedProcess:
+    """Fork a child that runs `python script *argv` in `cwd` with `env`, as `start` does,
+    its stdout and stderr appended to the two files."""
+    return _start({"script": script, "argv": list(argv), "env": env, "cwd": cwd,
+                   "stdout": stdout_path, "stderr": stderr_path}, [script, *argv])
+
+
+def _start(request: dict, args: list[str]) -> ForkedProcess:
+    base = server_env(request["env"])
     key = tuple(sorted(base.items()))
-    request = {"module": module, "argv": list(argv), "env": env, "cwd": os.getcwd(),
-               "stderr": stderr_path}
     with _lock:
         server = _servers.get(key)
         new_server = server is None or not server.alive()
         if new_server:
             server = _servers[key] = _Server(base)
         status = server.start(request)
-    return ForkedProcess(status, ["-m", module, *argv], server.process.pid, new_server)
+    return ForkedProcess(status, args, server.process.pid, new_server)
 
 
 @atexit.register
@@ -220,31 +232,40 @@ def _exit_status(stop: SystemExit) -> int:
 
 def _become_child(request: dict, session_made: int, base_path: list[str]) -> None:
     """In the forked child: the session, files, directory, environment, `sys.path` and
-    `sys.argv` that `python -m MODULE ARGV...` would have had, then the module run as
-    `__main__`; ends with `os._exit` (never returns)."""
+    `sys.argv` that `python -m MODULE ARGV...` (or `python SCRIPT ARGV...`) would have had,
+    then the module (or script) run as `__main__`; ends with `os._exit` (never returns)."""
+    script = request.get("script")
     try:
         os.setsid()
         os.close(session_made)  # the monitor may now report this pid (and kill its group)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         devnull = os.open(os.devnull, os.O_RDWR)
-        stderr = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        for fd, source in ((0, devnull), (1, devnull), (2, stderr)):
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        stdout = os.open(request["stdout"], flags) if "stdout" in request else devnull
+        stderr = os.open(request["stderr"], flags)
+        for fd, source in ((0, devnull), (1, stdout), (2, stderr)):
             os.dup2(source, fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [request["cwd"], *extra, *base_path]
+        # sys.path[0]: the script's folder (`python SCRIPT`), the directory (`python -m`)
+        first = os.path.dirname(os.path.abspath(script)) if script else request["cwd"]
+        sys.path[:] = [first, *extra, *base_path]
         importlib.invalidate_caches()
         # Python's `random` reseeds itself after a fork; NumPy's global generator does
         # not, and a fresh interpreter would seed it from the OS.
         sys.modules["numpy"].random.seed()
-        sys.argv = ["-m", *request["argv"]]  # run_module sets argv[0] to the module's file
+        # run_module sets argv[0] to the module's file, run_path to the script
+        sys.argv = [script or "-m", *request["argv"]]
     except BaseException:  # reported as the child's stderr and exit status
         traceback.print_exc()
         _flush_and_exit(70)
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as stop:
         code = _exit_status(stop)
