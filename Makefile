@@ -11,11 +11,12 @@ EXTRAS := docs,test,legacy
 EXECUTED := docs/lessons
 NOTEBOOK_TIMEOUT ?= 900
 # pytest-xdist workers for the unit tests and the lessons (each its own TensorFlow
-# process with its own logical devices). Three on CI's 2 cores: with two, the cores sat
-# idle a third of the time (125 % CPU of 200 %: tests waiting on child processes, SLURM
-# daemons, timeouts, and tf.data frees, docs/performance.md), and a third worker fills it
-# (153 %, 16.0 against 19.0 minutes of unit tests and lessons). Unit tests go to workers
-# file by file (--dist loadfile), so a module's fixtures run once.
+# process with its own logical devices). Three on CI's 2 cores: with two, tests that wait
+# (on child processes, SLURM daemons, timeouts) left a core idle, and a third worker fills
+# it (16.0 against 19.0 minutes of unit tests and lessons). With three, `vmstat` shows the
+# cores 95 % busy over the run (`time` says about 150 %: it counts only the children it
+# waits for, not the fork servers' nor SLURM's). Unit tests go to workers file by file
+# (--dist loadfile), so a module's fixtures run once.
 PYTEST_WORKERS ?= 3
 # A pytest run that collects nothing exits 5; record each run's status for .ci/run.
 PYTEST_STATUS := build/pytest-status

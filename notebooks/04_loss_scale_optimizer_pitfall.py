@@ -783,6 +783,7 @@ assert "loss = self.optimizer.get_scaled_loss(model_loss)" in legacy_file
 # every micro-batch.
 
 # %%
+import shutil
 import tempfile
 
 from distgrad_course.lab.tf_keras_runner import run_tf_keras
@@ -845,6 +846,7 @@ question_fix = run_tf_keras("question_fix:main", R, env={"PYTHONPATH": program_f
                                 "outlier on replica 1": [a.tolist() for a in (
                                     bad_x, bad_y, bad_x[others], bad_y[others])]},
                           micro_batch=mb, grad_acc_n=2, initial_scale=C)
+shutil.rmtree(program_folder)  # the program ran; a temporary folder is not left behind
 print(f"TensorFlow {question_fix.tensorflow}, tf-keras {question_fix.tf_keras}, "
       f"{question_fix.replicas} replicas")
 clean, outlier = question_fix["clean"], question_fix["outlier on replica 1"]

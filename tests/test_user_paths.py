@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
 import keras
 import numpy as np
 import pytest
+import script_runs
 import tensorflow as tf
 
 import distgrad
@@ -320,13 +319,14 @@ print(json.dumps(out))
 
 
 def run_script(tmp_path, source, *args, env=None):
+    """`python script.py ARGS` in a process that never imported distgrad (`script_runs`);
+    the JSON of its last line."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})}, cwd=tmp_path,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    code, stdout, stderr = script_runs.run(script, list(args), {**os.environ, **(env or {})},
+                                           tmp_path, 300)
+    assert code == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def saveable(name, strategy):
