@@ -678,7 +678,7 @@ try:
     backup.one_fit(one_replica, smaller, save_freq=1, data=half)
     raise AssertionError("another global batch was not refused")
 except ValueError as error:
-    print(textwrap.fill(str(error)[:420] + " ...", 96))
+    print(textwrap.fill(str(error)[:560] + " ...", 96))
     assert f"replicas: {R} (recorded) vs 1 now, and the global batch is 8 (recorded) vs 4" \
         in str(error)
 with open(os.path.join(smaller, "training_metadata.json")) as file:

@@ -682,10 +682,10 @@ def check_identity(recorded: dict, identity: dict, directory: str) -> dict:
         differences.append(f"{field}: {what}")
     if differences:
         raise ValueError(
-            f"BackupAndRestore: the backup in {directory} belongs to another run or setup: "
-            + "; ".join(differences) + ". To resume it, run with the recorded setup (and "
-            "run id: BackupAndRestore(run_id=...) or SLURM_JOB_ID). To start over, pass a "
-            f"new backup_dir, or delete {directory}.")
+            f"BackupAndRestore: to resume the backup in {directory}, run with the setup it "
+            "recorded (and its run id: BackupAndRestore(run_id=...) or SLURM_JOB_ID); to "
+            f"start over, pass a new backup_dir, or delete {directory}. It belongs to "
+            "another run or setup: " + "; ".join(differences) + ".")
     return identity
 
 

@@ -37,7 +37,10 @@ def refused(strategy, directory, match: str, **options) -> None:
     before = (directory / MANIFEST).read_text()
     with pytest.raises(ValueError, match=match) as raised:
         backup.one_fit(strategy, str(directory), save_freq=1, **options)
-    assert f"pass a new backup_dir, or delete {directory}" in str(raised.value)
+    assert str(raised.value).startswith(  # the fix first, then what differs
+        f"BackupAndRestore: to resume the backup in {directory}, run with the setup it "
+        f"recorded (and its run id: BackupAndRestore(run_id=...) or SLURM_JOB_ID); to start "
+        f"over, pass a new backup_dir, or delete {directory}. It belongs to another run")
     assert (directory / MANIFEST).read_text() == before
 
 
