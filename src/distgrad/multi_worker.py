@@ -97,11 +97,11 @@ def check_multi_worker_input(data, num_replicas: int, argument: str = "x") -> No
     policy = data.options().experimental_distribute.auto_shard_policy
     if policy not in SUPPORTED_SHARDING:
         raise ValueError(
-            f"MultiWorkerFit: set `{argument}`'s options.experimental_distribute."
-            "auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA (or AUTO, FILE), "
-            "or shard it yourself in strategy.distribute_datasets_from_function(dataset_fn). "
-            f"`{argument}` has AutoShardPolicy.{policy.name}, so TensorFlow does not split "
-            "it between the workers and every worker reads the same examples.")
+            f"MultiWorkerFit: `{argument}` has AutoShardPolicy.{policy.name}, so TensorFlow "
+            "does not split it between the workers and every worker reads the same "
+            "examples. Fix: set options.experimental_distribute.auto_shard_policy = "
+            "tf.data.experimental.AutoShardPolicy.DATA (or AUTO, FILE), or shard it "
+            "yourself in strategy.distribute_datasets_from_function(dataset_fn).")
     sizes = _batch_dimensions(data.element_spec)
     if None in sizes:
         raise ValueError(

@@ -188,17 +188,6 @@ def test_input_check_names_the_fix(data, num_replicas, error, fragment):
     assert "validation_data" in str(raised.value)
 
 
-@pytest.mark.parametrize("policy", ["OFF", "HINT"])
-def test_a_dataset_no_worker_splits_is_refused_with_the_fix_first(policy):
-    with pytest.raises(ValueError) as raised:
-        check_multi_worker_input(dataset(16, policy), 2, "validation_data")
-    assert str(raised.value).startswith(
-        "MultiWorkerFit: set `validation_data`'s options.experimental_distribute."
-        "auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA (or AUTO, FILE), or "
-        "shard it yourself in strategy.distribute_datasets_from_function(dataset_fn). "
-        f"`validation_data` has AutoShardPolicy.{policy}, so TensorFlow does not split it")
-
-
 def test_on_one_process_it_is_keras_own_fit(strategy2):
     assert not is_multi_worker(strategy2)
     assert not is_multi_worker(tf.distribute.get_strategy())
