@@ -14,7 +14,7 @@ NOTEBOOK_TIMEOUT ?= 900
 # process with its own logical devices). Three on CI's 2 cores: with two, tests that wait
 # (on child processes, SLURM daemons, timeouts) left a core idle, and a third worker fills
 # it (16.0 against 19.0 minutes of unit tests and lessons). With three, `vmstat` shows the
-# cores idle 6-8 % of the run (`time` says about 150 %: it counts only the children it
+# cores idle 6-11 % of the run (`time` says about 150 %: it counts only the children it
 # waits for, not the fork servers' nor SLURM's). Unit tests go to workers file by file
 # (--dist loadfile), so a module's fixtures run once.
 PYTEST_WORKERS ?= 3

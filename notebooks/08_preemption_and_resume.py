@@ -69,6 +69,7 @@ tf.get_logger().setLevel("ERROR")  # fresh models and tf.functions per experimen
 # %% tags=["fix"]
 # A fit that resumes where its last backup was taken: mid-epoch, mid-accumulation-cycle.
 # Back up every 2 batches; after a preemption, run the same script again.
+import gc
 import tempfile
 
 import keras
@@ -117,7 +118,7 @@ def job(*extra_callbacks):  # what the job script runs, every time it starts
 try:
     job(Preemption())  # dies after micro-batch 11; the last backup holds 10, 1 into a cycle
 except KeyboardInterrupt:
-    pass
+    gc.collect()  # free the stopped fit's data iterator now; later, freeing it can stall
 model = job()  # the restart reads and drops epoch 1's first 2 batches, then goes on mid-cycle
 print("updates:", model.optimizer.iterations.numpy(),
       "micro-batches:", model.optimizer.total_micro_steps.numpy())
@@ -594,7 +595,7 @@ tf.io.gfile.rename = rename_then_die
 try:
     model.fit(backup.dataset(), epochs=2, shuffle=False, verbose=0, callbacks=[callback])
 except backup.Preempted:
-    pass
+    backup.free_stopped_fit()  # its data iterator, now (gc.collect(), as in the fix)
 finally:
     tf.io.gfile.rename = rename
 print(sorted(os.listdir(between)))
@@ -756,6 +757,7 @@ try:
               shuffle=False, callbacks=[BackupAndRestore(tempfile.mkdtemp(), save_freq=3)])
     raise AssertionError("a reshuffling dataset was not refused")
 except ValueError as error:
+    backup.free_stopped_fit()
     print(textwrap.fill(str(error)[:200] + " ...", 96))
     assert "with reshuffle_each_iteration=True" in str(error)
 
