@@ -118,7 +118,9 @@ def job(*extra_callbacks):  # what the job script runs, every time it starts
 try:
     job(Preemption())  # dies after micro-batch 11; the last backup holds 10, 1 into a cycle
 except KeyboardInterrupt:
-    gc.collect()  # free the stopped fit's data iterator now; later, freeing it can stall
+    pass
+gc.collect()  # free the stopped fit's data iterator now (after the except: its traceback
+# held it); freed minutes later, it can stall (Performance page, tf.data iterators)
 model = job()  # the restart reads and drops epoch 1's first 2 batches, then goes on mid-cycle
 print("updates:", model.optimizer.iterations.numpy(),
       "micro-batches:", model.optimizer.total_micro_steps.numpy())
@@ -595,9 +597,10 @@ tf.io.gfile.rename = rename_then_die
 try:
     model.fit(backup.dataset(), epochs=2, shuffle=False, verbose=0, callbacks=[callback])
 except backup.Preempted:
-    backup.free_stopped_fit()  # its data iterator, now (gc.collect(), as in the fix)
+    pass
 finally:
     tf.io.gfile.rename = rename
+backup.free_stopped_fit()  # its data iterator, now (gc.collect(), as in the fix)
 print(sorted(os.listdir(between)))
 assert sorted(os.listdir(between)) == ["ckpt-1.weights.h5", "ckpt-2.weights.h5",
                                        "training_metadata.json", "training_metadata.json.tmp"]
@@ -757,9 +760,9 @@ try:
               shuffle=False, callbacks=[BackupAndRestore(tempfile.mkdtemp(), save_freq=3)])
     raise AssertionError("a reshuffling dataset was not refused")
 except ValueError as error:
-    backup.free_stopped_fit()
     print(textwrap.fill(str(error)[:200] + " ...", 96))
     assert "with reshuffle_each_iteration=True" in str(error)
+backup.free_stopped_fit()
 
 # %% [markdown]
 # ## Further reading

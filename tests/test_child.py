@@ -207,9 +207,9 @@ def test_the_fork_server_runs_a_script_as_python_script_would(tmp_path):
             runs[forked, mode] = (process.wait(timeout=120),
                                   json.loads((work / f"{mode}.json").read_text()),
                                   out.read_text(), "marker-4711" in err.read_text())
-    assert runs[True, "return"][1]["path0"] == str(tmp_path)  # the script's folder
-    assert {key: run for key, run in runs.items() if key[0]} == {
-        (True, mode): run for (_, mode), run in runs.items() if not _}
+    assert runs[True, "return"][1]["path0"] == str(tmp_path.resolve())  # the script's folder
+    for mode in ("return", "exit", "raise"):
+        assert runs[True, mode] == runs[False, mode], mode
     assert [runs[True, mode][0] for mode in ("return", "exit", "raise")] == [0, 3, 1]
     assert runs[True, "return"][2] == "stdout-1234\n" and runs[True, "raise"][3]
 

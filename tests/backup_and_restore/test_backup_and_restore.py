@@ -322,3 +322,25 @@ def test_a_resumed_fit_leaves_no_initial_epoch_behind(strategy2, tmp_path):
     history = model.fit(backup.dataset(), epochs=1, verbose=0, shuffle=False)
     assert len(history.history["loss"]) == 1 and model._initial_epoch is None
     assert not os.path.exists(tmp_path)
+
+
+def test_a_stopped_fits_iterator_is_freed_by_a_collection_after_the_except_not_inside():
+    """Why lesson 08 and `backup.one_fit` collect after the `except` block: inside it, the
+    exception's traceback still holds the fit's frames, and so its data iterator."""
+    import gc
+
+    from tensorflow.python.data.ops.iterator_ops import OwnedIterator
+
+    def alive() -> int:
+        return sum(isinstance(o, OwnedIterator) for o in gc.get_objects())
+
+    gc.collect()
+    before = alive()
+    try:
+        backup.build(tf.distribute.get_strategy(), "adam").fit(
+            backup.dataset(), epochs=2, verbose=0, callbacks=[backup.Interrupt(3)])
+    except backup.Preempted:
+        gc.collect()
+        inside = alive()
+    gc.collect()
+    assert (inside - before, alive() - before) == (1, 0)

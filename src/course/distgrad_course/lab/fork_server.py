@@ -249,8 +249,9 @@ def _become_child(request: dict, session_made: int, base_path: list[str]) -> Non
         os.environ.clear()
         os.environ.update(request["env"])
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        # sys.path[0]: the script's folder (`python SCRIPT`), the directory (`python -m`)
-        first = os.path.dirname(os.path.abspath(script)) if script else request["cwd"]
+        # sys.path[0]: the script's folder, symlinks resolved (`python SCRIPT`), or the
+        # directory (`python -m`)
+        first = os.path.dirname(os.path.realpath(script)) if script else request["cwd"]
         sys.path[:] = [first, *extra, *base_path]
         importlib.invalidate_caches()
         # Python's `random` reseeds itself after a fork; NumPy's global generator does
