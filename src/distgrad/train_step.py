@@ -1,8 +1,7 @@
 """In-step micro-batching for `model.fit`: k micro-batches, one update, one all-reduce.
 
-It imports only TensorFlow, Keras and the standard library: copy this one file. The
-non-finite policy at its end is generated from `non_finite.py`.
-How its `train_step` matches Keras' own: docs/design.md, "MicroBatching".
+It imports only TensorFlow, Keras and the standard library: copy this one file (its end is
+generated from `non_finite.py`). How it matches Keras' train_step: docs/design.md, "MicroBatching".
 """
 
 from __future__ import annotations
