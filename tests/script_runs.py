@@ -3,7 +3,9 @@ its standard output and error in files): forked from a server that has imported 
 with that environment and started no runtime (`distgrad_course.lab.fork_server`, about
 3 s of CPU less per process), or, with `DISTGRAD_FORK_SERVER=0`, a fresh interpreter.
 The Recipes page's scripts, the lessons' pasted fixes and the cluster page's workers run
-this way."""
+this way. One difference: a forked script ends with `os._exit` once it returns, without
+`atexit` handlers or the interpreter's finalization, so only a fresh run can show a
+failure at exit."""
 
 from __future__ import annotations
 
